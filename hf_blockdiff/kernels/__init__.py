@@ -1,0 +1,2 @@
+"""Compute kernels. Each Triton kernel has a plain-torch reference beside it; nothing here imports the rest of
+hf_blockdiff."""

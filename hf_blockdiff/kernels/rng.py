@@ -1,0 +1,41 @@
+"""Counter-based noise for Gumbel-max sampling, identical in torch and in the Triton scoring kernel.
+
+u(seed, counter, token) = (fmix32(key ^ fmix32(token)) >> 8 + 0.5) / 2**24 with key = fmix32(seed * φ + counter),
+all arithmetic mod 2**32 (fmix32 is MurmurHash3's finalizer). A row's noise depends only on its own seed and
+counters, so other rows in a batch never change it, and no generator state is advanced inside a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+GOLDEN32 = 0x9E3779B1
+FMIX_C1 = 0x85EBCA6B
+FMIX_C2 = 0xC2B2AE35
+
+
+def fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3 finalizer on int64 tensors holding uint32 values."""
+    h = h ^ (h >> 16)
+    h = (h * FMIX_C1) & MASK32
+    h = h ^ (h >> 13)
+    h = (h * FMIX_C2) & MASK32
+    return h ^ (h >> 16)
+
+
+def row_keys(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """Per-row hash key from an int64 seed and counter (both [N])."""
+    return fmix32(((seed & MASK32) * GOLDEN32 + (counter & MASK32)) & MASK32)
+
+
+def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform noise in (0, 1), float32 [N, vocab_size]."""
+    key = row_keys(seed.long(), counter.long())
+    token_hash = fmix32(torch.arange(vocab_size, device=seed.device, dtype=torch.long))
+    h = fmix32(key[:, None] ^ token_hash[None, :])
+    return ((h >> 8).to(torch.float32) + 0.5) * (2.0**-24)
+
+
+def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return -torch.log(-torch.log(uniform_noise(seed, counter, vocab_size)))
