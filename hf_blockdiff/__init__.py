@@ -1,3 +1,25 @@
-"""hf_blockdiff: fast block-diffusion decoding inside Hugging Face transformers."""
+"""hf_blockdiff: fast block-diffusion decoding inside Hugging Face transformers.
+
+`import hf_blockdiff` registers the attention function and puts `generate_multi_block` on the stock Qwen2, Qwen3,
+Qwen3-MoE and Llama causal LMs; `patch_model(model)` does the same for any other causal LM class.
+"""
+
+from . import attention as _attention
+from .cache import PagedBlockCache
+from .config import BlockDiffusionConfig
+from .generation import BlockDiffusionGenerationMixin, BlockDiffusionOutput
+from . import patching as _patching
+from .patching import free_cache, patch_model
 
 __version__ = "0.1.0"
+__all__ = [
+    "BlockDiffusionConfig",
+    "BlockDiffusionGenerationMixin",
+    "BlockDiffusionOutput",
+    "PagedBlockCache",
+    "free_cache",
+    "patch_model",
+]
+
+_attention.register()
+_patching.patch_stock_classes()

@@ -1,0 +1,163 @@
+"""`PagedBlockCache`: a paged KV cache for block-diffusion decoding, as a `transformers.Cache` (DESIGN §4).
+
+Each layer owns a pool of pages (`[num_pages, page_size, kv_heads, head_dim]` for K and for V, allocated at the
+first `update` so tensor-parallel shards hold their local heads). Every row has a page table and a committed
+length. A forward's `ForwardPlan` says where the window's K/V go: `update` writes them *ahead* of the committed
+pointer and never moves it; `commit` advances it after a forward that computed K/V from final tokens. Page 0 is a
+scratch page that absorbs writes of padding positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache
+
+SCRATCH_PAGE = 0
+
+
+@dataclass
+class ForwardPlan:
+    """What one forward's attention needs, shared by every layer.
+
+    q_limit[r, i]: window query i of row r sees the row's keys at positions [0, q_limit) (block-causal windows give
+    every query of a block the end of its block; bidirectional ones the whole canvas). 0 marks padding queries.
+    """
+
+    q_limit: torch.Tensor  # [R, W] int32
+    backend: str
+    cache: "PagedBlockCache | None" = None
+    rows: torch.Tensor | None = None  # [R] cache rows of the window rows
+    write_slots: torch.Tensor | None = None  # [R * W] flat page-pool slots of the window positions
+    read_slots: torch.Tensor | None = None  # [R, Lk] slots of the dense key range (sdpa through the cache)
+    _dense_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def dense_mask(self, key_length: int) -> torch.Tensor:
+        """[R, 1, W, key_length] bool; padding queries see key 0 so no softmax row is empty."""
+        if self._dense_mask is None or self._dense_mask.shape[-1] != key_length:
+            keys = torch.arange(key_length, device=self.q_limit.device)
+            self._dense_mask = (keys < self.q_limit.clamp(min=1)[..., None])[:, None]
+        return self._dense_mask
+
+
+class PagedBlockCache(Cache):
+    def __init__(self, num_layers: int, page_size: int = 64):
+        super().__init__(layers=[])
+        self.num_layers = num_layers
+        self.page_size = page_size
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.num_pages = 0
+        self.free_pages: list[int] = []
+        self.row_pages: list[list[int]] = []
+        self.page_table = torch.zeros(0, 0, dtype=torch.int32)
+        self.committed = torch.zeros(0, dtype=torch.long)
+        self.plan: ForwardPlan | None = None
+
+    # -- rows and pages ---------------------------------------------------------------------------------------
+
+    def start(self, row_tokens: list[int], device: torch.device) -> None:
+        """Begin a batch whose row r holds up to row_tokens[r] tokens: one page table per row, all committed 0."""
+        pages = [math.ceil(n / self.page_size) for n in row_tokens]
+        needed = 1 + sum(pages)
+        if needed > self.num_pages:
+            self.num_pages = needed
+            self.keys = [None] * self.num_layers
+            self.values = [None] * self.num_layers
+        self.free_pages = list(range(self.num_pages - 1, SCRATCH_PAGE, -1))
+        self.page_table = torch.full((len(row_tokens), max(pages, default=0) or 1), SCRATCH_PAGE, dtype=torch.int32)
+        self.row_pages = [[] for _ in row_tokens]
+        for row, count in enumerate(pages):
+            self.allocate(row, count)
+        self.page_table = self.page_table.to(device)
+        self.committed = torch.zeros(len(row_tokens), dtype=torch.long, device=device)
+
+    def allocate(self, row: int, num_pages: int) -> None:
+        if num_pages > len(self.free_pages):
+            raise ValueError(
+                f"The KV cache has {len(self.free_pages)} free pages of {self.page_size} tokens; row {row} needs "
+                f"{num_pages}. Lower the batch size or max_new_tokens."
+            )
+        taken = [self.free_pages.pop() for _ in range(num_pages)]
+        self.row_pages[row] = taken
+        self.page_table[row, : len(taken)] = torch.tensor(taken, dtype=torch.int32, device=self.page_table.device)
+
+    def release(self, row: int) -> None:
+        self.free_pages.extend(reversed(self.row_pages[row]))
+        self.row_pages[row] = []
+        self.committed[row] = 0
+
+    def commit(self, rows: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """Advance the committed pointer of `rows` by `num_tokens` (written by the last forward)."""
+        self.committed.index_add_(0, rows, num_tokens)
+
+    def slots(self, rows: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Flat pool slots of token `positions` ([R, X]) of `rows`; invalid positions map to the scratch page."""
+        page_index = (positions // self.page_size).clamp(0, self.page_table.shape[1] - 1)
+        pages = self.page_table[rows[:, None], page_index].long()
+        slots = pages * self.page_size + positions % self.page_size
+        return torch.where(valid, slots, SCRATCH_PAGE * self.page_size)
+
+    def plan_forward(self, rows: torch.Tensor, q_limit: torch.Tensor, valid: torch.Tensor, backend: str) -> ForwardPlan:
+        """Plan a forward of a window that starts at each row's committed length; `valid` marks real positions."""
+        width = q_limit.shape[1]
+        positions = self.committed[rows][:, None] + torch.arange(width, device=q_limit.device)
+        plan = ForwardPlan(q_limit, backend, self, rows, self.slots(rows, positions, valid).reshape(-1))
+        if backend == "sdpa":
+            key_length = int(q_limit.max())
+            key_positions = torch.arange(key_length, device=q_limit.device).expand(len(rows), key_length)
+            key_valid = key_positions < q_limit.max(dim=1, keepdim=True).values
+            plan.read_slots = self.slots(rows, key_positions, key_valid)
+        self.plan = plan
+        return plan
+
+    # -- transformers.Cache API ---------------------------------------------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        plan = self.plan
+        if self.keys[layer_idx] is None:
+            shape = (self.num_pages, self.page_size, key_states.shape[1], key_states.shape[3])
+            self.keys[layer_idx] = key_states.new_zeros(shape)
+            self.values[layer_idx] = value_states.new_zeros(shape)
+        for pool, states in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
+            flat = pool.view(-1, *pool.shape[2:])
+            flat.index_copy_(0, plan.write_slots, states.transpose(1, 2).reshape(-1, *flat.shape[1:]))
+        if plan.read_slots is None:
+            return key_states, value_states
+        return self.dense(layer_idx, plan.read_slots)
+
+    def dense(self, layer_idx: int, read_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `read_slots` as [R, kv_heads, Lk, head_dim]."""
+        out = []
+        for pool in (self.keys[layer_idx], self.values[layer_idx]):
+            flat = pool.view(-1, *pool.shape[2:])
+            out.append(flat[read_slots].transpose(1, 2))
+        return out[0], out[1]
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return int(self.committed.max()) if self.committed.numel() else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.page_table.shape[1] * self.page_size
+
+    def crop(self, max_length: int) -> None:
+        """Drop the last `-max_length` committed tokens of every row (negative lengths only)."""
+        if max_length >= 0:
+            raise ValueError("PagedBlockCache.crop takes a negative length: the number of tokens to drop, negated.")
+        self.committed = (self.committed + max_length).clamp(min=0)
+
+    def reset(self) -> None:
+        self.committed.zero_()
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return any(k is not None for k in self.keys)

@@ -1,0 +1,158 @@
+"""`BlockDiffusionConfig`: every knob of the decode loop, validated on construction (DESIGN §3, §5, §10)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .model_patches.profiles import ALIGNMENTS, ATTENTIONS, ModelProfile
+from .strategies import STRATEGIES, strategy_names
+
+FALLBACKS = ("topk", "leftmost")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flash_attn", "flex")
+
+# fields a model profile may fill in when the user leaves them unset
+PROFILE_FIELDS = ("mask_token_id", "block_size", "attention", "alignment", "logit_shift", "eos_token_id", "pad_token_id")
+
+
+def _fail(name: str, value: Any, fix: str) -> None:
+    raise ValueError(f"BlockDiffusionConfig.{name}={value!r} is invalid: {fix}")
+
+
+@dataclass
+class BlockDiffusionConfig:
+    """How `generate_multi_block` decodes. Fields left as `None` come from the model's profile (DESIGN §6).
+
+    mask_token_id: id written at undecided positions; never proposed.
+    block_size: positions decoded together (B). steps_per_block: S of the schedule n_t = ⌊B/S⌋ + [t < B mod S].
+    strategy / threshold / fallback: which positions are committed each step (DESIGN §5).
+    temperature / top_k / top_p: proposal sampling; temperature 0 is greedy, top_k ≤ 0 and top_p ≥ 1 are off.
+    max_active_blocks: K blocks decoded at once (1 = single-block); block_add_threshold: progress of the last
+    block at which the next one is added; decoded_token_threshold: progress of a block's predecessor at which it
+    becomes fully activated (forced to make progress).
+    alignment: "absolute" (blocks at multiples of B, prompt tail in the first block) or "prompt_end".
+    attention: "block_causal" (exact KV cache) or "bidirectional" (full recompute).
+    logit_shift: token i is predicted at position i-1.
+    eos_token_id / pad_token_id / early_stop: stop ids, the id written after the first stop token, and whether a
+    row ends once the block holding its first stop token is complete.
+    fused_store: store a finished block's K/V in the next block's first forward (token-identical, fewer forwards).
+    attention_backend: "auto", "sdpa", "triton", "flash_attn" or "flex".
+    page_size: tokens per KV-cache page.
+    """
+
+    mask_token_id: int | None = None
+    block_size: int | None = None
+    steps_per_block: int | None = None
+    max_new_tokens: int = 128
+    strategy: str = "low_confidence_dynamic"
+    threshold: float | None = None
+    fallback: str = "topk"
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_active_blocks: int = 1
+    block_add_threshold: float = 1.0
+    decoded_token_threshold: float = 1.0
+    alignment: str | None = None
+    attention: str | None = None
+    logit_shift: bool | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    early_stop: bool = True
+    fused_store: bool = True
+    attention_backend: str = "auto"
+    page_size: int = 64
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("block_size", "steps_per_block", "max_new_tokens", "max_active_blocks", "page_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                _fail(name, value, "pass a positive integer")
+        if self.page_size & (self.page_size - 1):
+            _fail("page_size", self.page_size, "pass a power of two (16, 32, 64, ...)")
+        if self.mask_token_id is not None and (not isinstance(self.mask_token_id, int) or self.mask_token_id < 0):
+            _fail("mask_token_id", self.mask_token_id, "pass the non-negative id of the mask token")
+        if self.strategy not in STRATEGIES:
+            _fail("strategy", self.strategy, f"choose one of {', '.join(strategy_names())}")
+        if self.threshold is not None:
+            low, high = STRATEGIES[self.strategy].threshold_range
+            if not (isinstance(self.threshold, (int, float)) and low <= self.threshold <= high):
+                _fail("threshold", self.threshold, f"strategy {self.strategy!r} needs a threshold in [{low}, {high}]")
+        if self.fallback not in FALLBACKS:
+            _fail("fallback", self.fallback, f"choose one of {', '.join(FALLBACKS)}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            _fail("temperature", self.temperature, "pass 0 for greedy decoding or a positive float to sample")
+        if not isinstance(self.top_k, int):
+            _fail("top_k", self.top_k, "pass an integer (≤ 0 disables top-k)")
+        if not isinstance(self.top_p, (int, float)) or self.top_p <= 0:
+            _fail("top_p", self.top_p, "pass a float in (0, 1] (1 disables top-p)")
+        for name in ("block_add_threshold", "decoded_token_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                _fail(name, value, "pass a block progress fraction in [0, 1]")
+        if self.alignment is not None and self.alignment not in ALIGNMENTS:
+            _fail("alignment", self.alignment, f"choose one of {', '.join(ALIGNMENTS)}")
+        if self.attention is not None and self.attention not in ATTENTIONS:
+            _fail("attention", self.attention, f"choose one of {', '.join(ATTENTIONS)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            _fail("attention_backend", self.attention_backend, f"choose one of {', '.join(ATTENTION_BACKENDS)}")
+        eos = self.eos_token_id
+        if eos is not None and not (
+            (isinstance(eos, int) and eos >= 0)
+            or (isinstance(eos, (list, tuple)) and all(isinstance(e, int) and e >= 0 for e in eos))
+        ):
+            _fail("eos_token_id", eos, "pass a token id or a list of token ids")
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+
+    @property
+    def effective_threshold(self) -> float:
+        return STRATEGIES[self.strategy].default_threshold if self.threshold is None else float(self.threshold)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "BlockDiffusionConfig":
+        return dataclasses.replace(self, **changes)
+
+    def resolved(self, profile: ModelProfile, vocab_size: int | None = None) -> "BlockDiffusionConfig":
+        """A copy with every profile field filled in, or a ValueError that says how to set what is missing."""
+        filled = {name: getattr(profile, name) for name in PROFILE_FIELDS if getattr(self, name) is None}
+        cfg = dataclasses.replace(self, **{k: v for k, v in filled.items() if v is not None})
+        if cfg.mask_token_id is None:
+            raise ValueError(
+                "No mask token id is known for this model: pass BlockDiffusionConfig(mask_token_id=...) or set "
+                "`model.config.mask_token_id`."
+            )
+        if cfg.block_size is None:
+            raise ValueError(
+                "No block size is known for this model: pass BlockDiffusionConfig(block_size=...) or set "
+                "`model.config.block_size`."
+            )
+        if cfg.attention is None:
+            raise ValueError(
+                "This model has no block-diffusion profile: pass BlockDiffusionConfig(attention='block_causal' or "
+                "'bidirectional') (and alignment/logit_shift if they differ from the defaults)."
+            )
+        if vocab_size is not None and cfg.mask_token_id >= vocab_size:
+            _fail("mask_token_id", cfg.mask_token_id, f"the model's vocabulary has {vocab_size} ids")
+        if cfg.alignment is None:
+            cfg.alignment = "absolute" if cfg.attention == "block_causal" else "prompt_end"
+        if cfg.logit_shift is None:
+            cfg.logit_shift = False
+        if cfg.steps_per_block is None:
+            cfg.steps_per_block = cfg.block_size
+        if cfg.pad_token_id is None:
+            cfg.pad_token_id = cfg.stop_ids[0] if cfg.stop_ids else cfg.mask_token_id
+        if isinstance(cfg.eos_token_id, tuple):
+            cfg.eos_token_id = list(cfg.eos_token_id)
+        cfg._validate()
+        return cfg

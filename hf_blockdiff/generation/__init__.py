@@ -1,0 +1,3 @@
+from .mixin import BlockDiffusionGenerationMixin, BlockDiffusionOutput
+
+__all__ = ["BlockDiffusionGenerationMixin", "BlockDiffusionOutput"]

@@ -1,0 +1,163 @@
+"""`BlockDiffusionGenerationMixin.generate_multi_block`: the public entry point on HF causal LMs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import ModelOutput
+
+from ..attention import resolve_backend
+from ..config import BlockDiffusionConfig
+from ..kernels.rng import fmix32
+from ..model_patches.profiles import ModelProfile, profile_for
+from .loop import Decoder
+from .state import DecodeState
+
+
+@dataclass
+class BlockDiffusionOutput(ModelOutput):
+    """`sequences` [B, P + N]: the prompt as given, then the generated tokens (`pad_token_id` after the first stop
+    token). Per generated position [B, N]: `commit_step` (1-based forward index that committed it, -1 if never
+    generated), `logprobs` (log-probability of the committed token under the distribution it was drawn from),
+    `entropies`. `num_forwards` counts every model forward of the call, prefill included."""
+
+    sequences: torch.LongTensor | None = None
+    num_forwards: int | None = None
+    tokens_per_forward: float | None = None
+    commit_step: torch.LongTensor | None = None
+    logprobs: torch.FloatTensor | None = None
+    entropies: torch.FloatTensor | None = None
+
+
+def model_profile(model) -> ModelProfile:
+    """The model's decoding profile, with stop and pad ids from its generation config when the profile has none."""
+    generation = getattr(model, "generation_config", None)
+    defaults = ModelProfile(
+        eos_token_id=getattr(generation, "eos_token_id", None) or getattr(model.config, "eos_token_id", None),
+        pad_token_id=_first_set(getattr(generation, "pad_token_id", None), getattr(model.config, "pad_token_id", None)),
+    )
+    return profile_for(model.config).merged_over(defaults)
+
+
+def _first_set(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_length].")
+    if attention_mask is None:
+        return list(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; input_ids has {tuple(input_ids.shape)}.")
+    mask = attention_mask.bool()
+    if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
+        raise ValueError(
+            "attention_mask is right-padded (or has holes): generate_multi_block needs left padding. "
+            "Set tokenizer.padding_side = 'left'."
+        )
+    lengths = mask.sum(-1).tolist()
+    return [row[len(row) - n :] for row, n in zip(input_ids, lengths)]
+
+
+def _check_lengths(model, prompts: list[torch.Tensor], state: DecodeState, cfg: BlockDiffusionConfig) -> None:
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("Every row needs at least one prompt token (a row of attention_mask is all zeros).")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    longest = int(state.geometry.row_end.max())
+    if limit is not None and longest > limit:
+        raise ValueError(
+            f"The longest prompt plus max_new_tokens={cfg.max_new_tokens} (rounded up to whole blocks: {longest} "
+            f"positions) exceeds the model's max_position_embeddings={limit}: lower max_new_tokens or shorten the prompt."
+        )
+
+
+def _row_seeds(rows: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    base = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=getattr(generator, "device", "cpu"))
+    return fmix32((base.cpu() + torch.arange(rows)) & 0xFFFFFFFF).to(device)
+
+
+def _output(input_ids: torch.Tensor, decoder: Decoder, cfg: BlockDiffusionConfig, return_dict: bool):
+    state = decoder.state
+    geo = state.geometry
+    index = geo.prompt_len[:, None] + torch.arange(cfg.max_new_tokens, device=input_ids.device)
+    generated = state.canvas.gather(1, index)
+    commit_step = state.commit_step.gather(1, index)
+    first, has_stop = state.first_stop(decoder.stop_ids)
+    after_stop = has_stop[:, None] & (index > first[:, None])
+    dropped = after_stop | (generated == cfg.mask_token_id)
+    generated = generated.masked_fill(dropped, cfg.pad_token_id)
+    sequences = torch.cat([input_ids, generated], dim=1)
+    if not return_dict:
+        return sequences
+    commit_step = commit_step.masked_fill(dropped, -1)
+    kept = commit_step >= 0
+    return BlockDiffusionOutput(
+        sequences=sequences,
+        num_forwards=decoder.num_forwards,
+        tokens_per_forward=int(kept.sum()) / max(decoder.num_forwards, 1),
+        commit_step=commit_step,
+        logprobs=state.logprob.gather(1, index).masked_fill(~kept, 0.0),
+        entropies=state.entropy.gather(1, index).masked_fill(~kept, 0.0),
+    )
+
+
+class BlockDiffusionGenerationMixin:
+    """Adds `generate_multi_block` to a transformers causal LM."""
+
+    @torch.no_grad()
+    def generate_multi_block(
+        self,
+        input_ids: torch.LongTensor,
+        config: BlockDiffusionConfig | None = None,
+        attention_mask: torch.Tensor | None = None,
+        streamer=None,
+        generator: torch.Generator | None = None,
+        return_dict: bool = False,
+    ):
+        """Block-diffusion decoding of `input_ids` (left-padded [B, P]); see `BlockDiffusionConfig`.
+
+        Returns a LongTensor [B, P + max_new_tokens], or a `BlockDiffusionOutput` with `return_dict=True`."""
+        if config is not None and not isinstance(config, BlockDiffusionConfig):
+            raise TypeError("config must be a BlockDiffusionConfig (or None to use the model's profile).")
+        vocab = getattr(self.config, "vocab_size", None)
+        cfg = (config or BlockDiffusionConfig()).resolved(model_profile(self), vocab)
+        prompts = _prompts(input_ids, attention_mask)
+        device = input_ids.device
+        state = DecodeState(prompts, cfg, device)
+        _check_lengths(self, prompts, state, cfg)
+        backend = resolve_backend(cfg.attention_backend, device)
+        decoder = Decoder(self, cfg, state, backend, _row_seeds(len(prompts), generator, device))
+        was_training = self.training
+        self.eval()
+        try:
+            decoder.run(_TokenStream(streamer, input_ids, cfg) if streamer is not None else None)
+        finally:
+            self.train(was_training)
+        return _output(input_ids, decoder, cfg, return_dict)
+
+
+class _TokenStream:
+    """Feeds a transformers streamer (batch 1) the tokens of row 0 as soon as everything before them is decided."""
+
+    def __init__(self, streamer, input_ids: torch.Tensor, cfg: BlockDiffusionConfig):
+        if input_ids.shape[0] != 1:
+            raise ValueError("streamer needs a batch of one prompt.")
+        self.streamer, self.cfg, self.sent = streamer, cfg, 0
+        streamer.put(input_ids[0].cpu())
+
+    def step(self, state: DecodeState) -> None:
+        start = int(state.geometry.prompt_len[0])
+        row = state.canvas[0, start : start + self.cfg.max_new_tokens]
+        undecided = row == self.cfg.mask_token_id
+        ready = int(undecided.int().argmax()) if bool(undecided.any()) else len(row)
+        first, has_stop = state.first_stop(torch.tensor(self.cfg.stop_ids, dtype=torch.long, device=row.device))
+        if bool(has_stop[0]):
+            ready = min(ready, int(first[0]) - start + 1)
+        if ready > self.sent:
+            self.streamer.put(row[self.sent : ready].cpu())
+            self.sent = ready
+
+    def end(self) -> None:
+        self.streamer.end()

@@ -1,0 +1,188 @@
+"""Plain re-implementations of the reference decode loops (DESIGN §7), batch 1, no cache.
+
+Every denoise step recomputes the whole canvas with the stock model and an explicit 4D mask, so these loops share
+nothing with hf_blockdiff's cache, attention dispatch, windows or strategies. Greedy decoding; the mask token is
+never proposed (DESIGN §5). Each returns (generated tokens [max_new_tokens] with `pad` after the first stop token,
+number of forwards the reference makes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def full_logits(model, tokens: torch.Tensor, allowed: torch.Tensor, mask_id: int, shift: bool) -> torch.Tensor:
+    """fp32 logits [L, V] of a 1-D token sequence under the boolean attention rule allowed[query, key]."""
+    length = len(tokens)
+    bias = torch.zeros(1, 1, length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        logits = model(input_ids=tokens[None], attention_mask=bias, position_ids=torch.arange(length)[None]).logits[0]
+    if shift:
+        logits = torch.cat([logits[:1], logits[:-1]], dim=0)
+    logits = logits.float().clone()
+    logits[:, mask_id] = float("-inf")
+    return logits
+
+
+def block_ids(length: int, prompt_len: int, block: int, alignment: str) -> torch.Tensor:
+    positions = torch.arange(length)
+    if alignment == "absolute":
+        return positions // block
+    return torch.where(positions < prompt_len, 0, (positions - prompt_len) // block + 1)
+
+
+def staircase(length: int, prompt_len: int, block: int, alignment: str) -> torch.Tensor:
+    ids = block_ids(length, prompt_len, block, alignment)
+    return ids[:, None] >= ids[None, :]
+
+
+def num_transfer(length: int, steps: int) -> list[int]:
+    return [length // steps + (1 if t < length % steps else 0) for t in range(steps)]
+
+
+def finish(x: torch.Tensor, prompt_len: int, new: int, stop_ids, pad: int) -> torch.Tensor:
+    out = x[prompt_len : prompt_len + new].clone()
+    for i, token in enumerate(out.tolist()):
+        if token in stop_ids:
+            out[i + 1 :] = pad
+            break
+    return out
+
+
+def top_positions(score: dict[int, float], n: int, largest: bool = True) -> list[int]:
+    """The n positions with the largest (or smallest) score; ties → lowest position."""
+    order = sorted(score, key=lambda p: ((-score[p]) if largest else score[p], p))
+    return order[:n]
+
+
+def sdar_reference(model, prompt, mask_id, block, steps, new, strategy, threshold=0.9, fallback="topk",
+                   stop_ids=(), pad=0):
+    """SDAR generate.py: absolute blocks, staircase prefill of ⌊P/B⌋·B tokens, prompt tail in the first block,
+    read-only denoise forwards, one store forward per block, stop checked after each block."""
+    p = len(prompt)
+    total = math.ceil((p + new) / block) * block
+    x = torch.full((total,), mask_id, dtype=torch.long)
+    x[:p] = prompt
+    forwards = 1 if p // block > 0 else 0
+    schedule = num_transfer(block, steps)
+    for k in range(p // block, total // block):
+        lo, hi = k * block, (k + 1) * block
+        for step in range(steps + 1):
+            masked = [i for i in range(lo, hi) if x[i] == mask_id]
+            forwards += 1
+            if not masked:
+                break  # the store forward
+            logits = full_logits(model, x[:hi], staircase(hi, p, block, "absolute"), mask_id, False)
+            probs = torch.softmax(logits, -1)
+            proposal = {i: int(logits[i].argmax()) for i in masked}
+            confidence = {i: float(probs[i, proposal[i]]) for i in masked}
+            n = schedule[step]
+            if strategy == "sequential":
+                chosen = masked[:n]
+            elif strategy == "low_confidence_static":
+                chosen = top_positions(confidence, n)
+            elif strategy == "low_confidence_dynamic":
+                chosen = [i for i in masked if confidence[i] > threshold]
+                if len(chosen) < n:
+                    chosen = top_positions(confidence, n) if fallback == "topk" else masked[:n]
+            else:
+                raise ValueError(strategy)
+            for i in chosen:
+                x[i] = proposal[i]
+        if any(int(t) in stop_ids for t in x[p:]):
+            break
+    return finish(x, p, new, stop_ids, pad), forwards
+
+
+def llada_reference(model, prompt, mask_id, block, steps, new, remasking="low_confidence", threshold=None,
+                    stop_ids=(), pad=0, shift=False):
+    """LLaDA generate.py: prompt_end blocks, bidirectional full recompute, exactly `steps` forwards per block,
+    get_num_transfer_tokens over the block's masks, confidence from a float64 softmax, later blocks excluded.
+    remasking="threshold" is Fast-dLLM v1's parallel decoding: {c ≥ τ} ∪ top-1 until the block is done."""
+    p = len(prompt)
+    x = torch.full((p + new,), mask_id, dtype=torch.long)
+    x[:p] = prompt
+    everything = torch.ones(p + new, p + new, dtype=torch.bool)
+    forwards = 0
+    for k in range(math.ceil(new / block)):
+        lo, hi = p + k * block, min(p + (k + 1) * block, p + new)
+        schedule = num_transfer(sum(int(x[i] == mask_id) for i in range(lo, hi)), steps)
+        step = 0
+        while any(x[i] == mask_id for i in range(lo, hi)) if remasking == "threshold" else step < steps:
+            masked = [i for i in range(lo, hi) if x[i] == mask_id]
+            logits = full_logits(model, x, everything, mask_id, shift)
+            forwards += 1
+            probs = torch.softmax(logits.double(), -1)
+            proposal = {i: int(logits[i].argmax()) for i in masked}
+            confidence = {i: float(probs[i, proposal[i]]) for i in masked}
+            if remasking == "threshold":
+                chosen = [i for i in masked if confidence[i] >= threshold]
+                chosen = sorted(set(chosen) | set(top_positions(confidence, 1)))
+            else:
+                chosen = top_positions(confidence, schedule[step])
+            for i in chosen:
+                x[i] = proposal[i]
+            step += 1
+        if stop_ids and any(int(t) in stop_ids for t in x[p:hi]):
+            break
+    return finish(x, p, new, stop_ids, pad), forwards
+
+
+def multi_block_reference(model, prompt, mask_id, block, new, threshold, block_add_threshold,
+                          decoded_token_threshold, max_active_blocks=10**9, shift=True, stop_ids=(), pad=0):
+    """d3LLM/Open-dLLM-style multi-block decoding (DESIGN §3.4, §7) with entropy threshold and forced progress:
+    prompt_end blocks, the prompt is block 0, block-causal over blocks, full recompute of the canvas each step."""
+    p = len(prompt)
+    x = torch.full((p + new,), mask_id, dtype=torch.long)
+    x[:p] = prompt
+    spans = [(p + k * block, min(p + (k + 1) * block, p + new)) for k in range(math.ceil(new / block))]
+    allowed = staircase(p + new, p, block, "prompt_end")
+
+    def progress(k):
+        if k < 0:
+            return 1.0
+        lo, hi = spans[k]
+        return sum(int(x[i] != mask_id) for i in range(lo, hi)) / (hi - lo)
+
+    added, full, forwards = 0, set(), 0
+    while True:
+        incomplete = [k for k in range(added) if progress(k) < 1.0]
+        last = progress(added - 1)
+        if added < len(spans) and (last >= block_add_threshold or last == 1.0) and len(incomplete) < max_active_blocks:
+            added += 1
+        for k in range(added):
+            if progress(k - 1) >= decoded_token_threshold:
+                full.add(k)
+        active = [k for k in range(added) if progress(k) < 1.0]
+        stop_at = first_settled_stop(x, p, new, spans, mask_id, stop_ids)
+        if stop_at is not None or (not active and added == len(spans)):
+            break
+        logits = full_logits(model, x, allowed, mask_id, shift)
+        forwards += 1
+        probs = torch.softmax(logits.double(), -1)
+        entropy = -(probs * torch.log(probs.clamp_min(1e-300))).sum(-1)
+        forced = min((k for k in active if k in full), default=None)
+        chosen = []
+        for k in active:
+            lo, hi = spans[k]
+            masked = [i for i in range(lo, hi) if x[i] == mask_id]
+            passing = [i for i in masked if float(entropy[i]) < threshold]
+            if k == forced and not passing:
+                passing = top_positions({i: float(entropy[i]) for i in masked}, 1, largest=False)
+            chosen += passing
+        for i in chosen:
+            x[i] = int(logits[i].argmax())
+    return finish(x, p, new, stop_ids, pad), forwards
+
+
+def first_settled_stop(x, p, new, spans, mask_id, stop_ids):
+    """Position of the first stop token once its block and everything before it is decided, else None."""
+    for k, (lo, hi) in enumerate(spans):
+        if any(int(x[i]) == mask_id for i in range(lo, hi)):
+            return None
+        for i in range(lo, min(hi, p + new)):
+            if int(x[i]) in stop_ids:
+                return i
+    return None

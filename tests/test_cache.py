@@ -1,0 +1,82 @@
+"""PagedBlockCache: committed K/V equal a fresh full forward; pages are reused; the HF Cache API holds."""
+
+import pytest
+import torch
+
+from hf_blockdiff import BlockDiffusionConfig, PagedBlockCache
+from reference_loops import staircase
+
+from conftest import MASK, left_pad, random_prompts
+
+
+def committed_kv(model, row: int, length: int):
+    cache = model._blockdiff_cache
+    positions = torch.arange(length)[None]
+    slots = cache.slots(torch.tensor([row]), positions, torch.ones_like(positions, dtype=torch.bool))
+    return [cache.dense(layer, slots) for layer in range(cache.num_layers)]
+
+
+def fresh_kv(model, tokens: torch.Tensor, allowed: torch.Tensor):
+    bias = torch.zeros(1, 1, len(tokens), len(tokens)).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        out = model(input_ids=tokens[None], attention_mask=bias, position_ids=torch.arange(len(tokens))[None],
+                    use_cache=True)
+    return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+
+
+@pytest.mark.parametrize("alignment,fused", [("absolute", False), ("absolute", True), ("prompt_end", True)])
+def test_committed_kv_equal_a_fresh_forward(qwen3, alignment, fused):
+    prompts = random_prompts((8, 5, 11), seed=4)
+    block, new = 4, 13
+    ids, mask = left_pad(prompts)
+    cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=block, max_new_tokens=new, threshold=0.6,
+                               attention="block_causal", alignment=alignment, fused_store=fused, eos_token_id=[])
+    out = qwen3.generate_multi_block(ids, cfg, attention_mask=mask)
+    committed = qwen3._blockdiff_cache.committed.tolist()
+    for row, prompt in enumerate(prompts):
+        p = len(prompt)
+        final = torch.cat([prompt, out[row, ids.shape[1]:]])
+        start = 0 if alignment == "absolute" else p
+        whole_blocks = start + (p + new - start) // block * block  # K/V beyond depend on positions past p + new
+        length = min(committed[row], whole_blocks)
+        assert length >= p  # the prompt and at least some generated blocks were committed
+        expected = fresh_kv(qwen3, final[:whole_blocks], staircase(whole_blocks, p, block, alignment))
+        for (k, v), (k_ref, v_ref) in zip(committed_kv(qwen3, row, length), expected):
+            torch.testing.assert_close(k[0], k_ref[0, :, :length], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v[0], v_ref[0, :, :length], rtol=1e-5, atol=1e-5)
+
+
+def test_pages_are_reused_across_calls(qwen3):
+    ids, mask = left_pad(random_prompts((6, 9), seed=1))
+    cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, attention="block_causal",
+                               eos_token_id=[])
+    first = qwen3.generate_multi_block(ids, cfg, attention_mask=mask)
+    cache = qwen3._blockdiff_cache
+    pool = cache.keys[0]
+    second = qwen3.generate_multi_block(ids, cfg, attention_mask=mask)
+    assert qwen3._blockdiff_cache is cache and cache.keys[0] is pool
+    assert torch.equal(first, second)
+
+
+def test_release_returns_pages_and_commit_advances():
+    cache = PagedBlockCache(num_layers=1, page_size=16)
+    cache.start([40, 20], torch.device("cpu"))
+    free = len(cache.free_pages)
+    assert cache.page_table[0, :3].tolist() != cache.page_table[1, :3].tolist()
+    cache.commit(torch.tensor([1]), torch.tensor([7]))
+    assert cache.committed.tolist() == [0, 7] and cache.get_seq_length() == 7
+    cache.release(0)
+    assert len(cache.free_pages) == free + 3 and cache.committed.tolist() == [0, 7]
+    cache.crop(-5)
+    assert cache.committed.tolist() == [0, 2]
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(3)
+
+
+def test_write_ahead_does_not_move_the_pointer(qwen3):
+    """A read-only denoise forward writes its K/V into pages but leaves the committed length alone."""
+    ids, mask = left_pad(random_prompts((8,), seed=2))
+    cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=4, attention="block_causal",
+                               fused_store=False, eos_token_id=[])
+    qwen3.generate_multi_block(ids, cfg, attention_mask=mask)
+    assert qwen3._blockdiff_cache.committed.tolist() == [12]  # prompt 8 + one stored block of 4
