@@ -10,6 +10,9 @@ from .model_patches.profiles import ALIGNMENTS, ATTENTIONS, ModelProfile
 from .strategies import STRATEGIES, strategy_names
 
 FALLBACKS = ("topk", "leftmost")
+CONFIDENCE_SOURCES = ("filtered", "unfiltered", "raw")
+APPROX_CACHES = ("none", "prefix", "dual")
+SCORE_PRECISIONS = ("float32", "float64")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flash_attn", "flex")
 
 # fields a model profile may fill in when the user leaves them unset
@@ -39,6 +42,22 @@ class BlockDiffusionConfig:
     fused_store: store a finished block's K/V in the next block's first forward (token-identical, fewer forwards).
     attention_backend: "auto", "sdpa", "triton", "flash_attn" or "flex".
     page_size: tokens per KV-cache page.
+
+    Sampling controls: repetition_penalty (transformers semantics, over the row's decided tokens),
+    pos_temp_slope (T_i = T·(1 + slope·i/(B−1)) for position i of a block), confidence ("filtered": probability
+    under the distribution the token was drawn from; "unfiltered": softmax(ℓ/T) before top-k/top-p, as
+    JetEngine; "raw": softmax(ℓ), as LLaDA), cfg_scale (LLaDA classifier-free guidance, bidirectional models),
+    logits_processor (a transformers LogitsProcessorList applied to the flattened block logits; its input_ids are
+    the rows' canvases).
+    Strategy parameters: entropy_budget (γ, entropy_bounded), relative_alpha (α, relative_top), factor
+    (confidence_factor), threshold_strict (compare c > τ instead of ≥; None: the strategy's own rule).
+    Reference behaviours (set by presets): sub_block_size (Fast-dLLM v2 decodes a block sub-block by sub-block),
+    first_token_on_store (the forward that stores a block commits the next block's first token greedily, Fast-dLLM
+    v2), approx_cache ("prefix"/"dual": Fast-dLLM v1 approximate caches for bidirectional models), eos_fill
+    (d3LLM: the first stop token fills every later position), add_activation_threshold (predecessor progress at
+    which a newly added block is fully activated at once; None: decoded_token_threshold), score_precision
+    (softmax dtype for confidence/entropy), dream_eps (ε of Dream's schedule).
+    preset: name of the preset the config came from (checked against the model's attention).
     """
 
     mask_token_id: int | None = None
@@ -63,6 +82,23 @@ class BlockDiffusionConfig:
     fused_store: bool = True
     attention_backend: str = "auto"
     page_size: int = 64
+    repetition_penalty: float = 1.0
+    pos_temp_slope: float = 0.0
+    confidence: str = "filtered"
+    cfg_scale: float = 0.0
+    logits_processor: Any = None
+    entropy_budget: float = 1.0
+    relative_alpha: float = 0.9
+    factor: float = 1.0
+    threshold_strict: bool | None = None
+    sub_block_size: int | None = None
+    first_token_on_store: bool = False
+    approx_cache: str = "none"
+    eos_fill: bool = False
+    add_activation_threshold: float | None = None
+    score_precision: str = "float32"
+    dream_eps: float = 1e-3
+    preset: str | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -100,6 +136,27 @@ class BlockDiffusionConfig:
             _fail("attention", self.attention, f"choose one of {', '.join(ATTENTIONS)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             _fail("attention_backend", self.attention_backend, f"choose one of {', '.join(ATTENTION_BACKENDS)}")
+        for name, allowed in (("confidence", CONFIDENCE_SOURCES), ("approx_cache", APPROX_CACHES),
+                              ("score_precision", SCORE_PRECISIONS)):
+            if getattr(self, name) not in allowed:
+                _fail(name, getattr(self, name), f"choose one of {', '.join(allowed)}")
+        for name, low in (("repetition_penalty", 0.0), ("entropy_budget", 0.0), ("factor", 0.0), ("dream_eps", 0.0)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= low:
+                _fail(name, value, f"pass a number > {low}")
+        if not isinstance(self.relative_alpha, (int, float)) or not 0.0 < self.relative_alpha <= 1.0:
+            _fail("relative_alpha", self.relative_alpha, "pass α in (0, 1]")
+        if not isinstance(self.cfg_scale, (int, float)) or self.cfg_scale < 0:
+            _fail("cfg_scale", self.cfg_scale, "pass 0 (off) or a positive guidance scale")
+        if self.add_activation_threshold is not None and not 0.0 <= self.add_activation_threshold <= 1.0:
+            _fail("add_activation_threshold", self.add_activation_threshold, "pass a progress fraction in [0, 1]")
+        if self.sub_block_size is not None and (
+            not isinstance(self.sub_block_size, int) or self.sub_block_size <= 0
+            or (self.block_size is not None and self.block_size % self.sub_block_size)
+        ):
+            _fail("sub_block_size", self.sub_block_size, "pass a positive divisor of block_size")
+        if self.logits_processor is not None and not callable(self.logits_processor):
+            _fail("logits_processor", self.logits_processor, "pass a transformers LogitsProcessorList")
         eos = self.eos_token_id
         if eos is not None and not (
             (isinstance(eos, int) and eos >= 0)
@@ -116,6 +173,17 @@ class BlockDiffusionConfig:
     @property
     def effective_threshold(self) -> float:
         return STRATEGIES[self.strategy].default_threshold if self.threshold is None else float(self.threshold)
+
+    @property
+    def strict_threshold(self) -> bool:
+        return STRATEGIES[self.strategy].strict if self.threshold_strict is None else self.threshold_strict
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "BlockDiffusionConfig":
+        """A config reproducing a reference decoder (see `hf_blockdiff.presets`); `overrides` win."""
+        from .presets import preset_fields
+
+        return cls(**preset_fields(name, overrides, cls))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -144,6 +212,19 @@ class BlockDiffusionConfig:
             )
         if vocab_size is not None and cfg.mask_token_id >= vocab_size:
             _fail("mask_token_id", cfg.mask_token_id, f"the model's vocabulary has {vocab_size} ids")
+        if cfg.preset is not None and profile.attention is not None and profile.attention != cfg.attention:
+            raise ValueError(
+                f"Preset {cfg.preset!r} decodes with {cfg.attention} attention but this model is "
+                f"{profile.attention}: choose a preset for {profile.attention} models."
+            )
+        if cfg.approx_cache != "none" and (cfg.attention != "bidirectional" or cfg.max_active_blocks != 1):
+            _fail("approx_cache", cfg.approx_cache, "approximate caches need attention='bidirectional' and "
+                  "max_active_blocks=1; block-causal models have an exact cache")
+        if cfg.cfg_scale > 0 and (cfg.attention != "bidirectional" or cfg.approx_cache != "none"):
+            _fail("cfg_scale", cfg.cfg_scale, "classifier-free guidance needs attention='bidirectional' and no "
+                  "approximate cache")
+        if cfg.first_token_on_store and (cfg.fused_store or not cfg.logit_shift):
+            _fail("first_token_on_store", True, "it needs fused_store=False and logit_shift=True (Fast-dLLM v2)")
         if cfg.alignment is None:
             cfg.alignment = "absolute" if cfg.attention == "block_causal" else "prompt_end"
         if cfg.logit_shift is None:

@@ -2,8 +2,8 @@
 
 Every strategy sees the active blocks of a step as rows of `BlockScores` ([NB, L] tensors, one row per block) and
 returns a bool [NB, L] mask of positions to commit, always a subset of `masked`. A block marked `forced` must make
-progress as its rule says (schedule count, fallback, forced token); other blocks only take positions that pass the
-strategy's threshold (multi-block decoding, DESIGN §3.4). Ties between positions go to the lowest position.
+progress as its rule says (schedule count, fallback, forced token); other blocks only take the positions that pass
+the strategy's own test (multi-block decoding, DESIGN §3.4). Ties between positions go to the lowest position.
 No strategy synchronizes with the host.
 """
 
@@ -14,29 +14,47 @@ from typing import Callable
 
 import torch
 
+INF = float("inf")
+
 
 @dataclass
 class BlockScores:
-    masked: torch.Tensor  # [NB, L] bool: undecided positions
+    masked: torch.Tensor  # [NB, L] bool: undecided positions that may be committed this step
     confidence: torch.Tensor  # [NB, L] float: probability of the proposal
     entropy: torch.Tensor  # [NB, L] float
     margin: torch.Tensor  # [NB, L] float: top-1 minus top-2 probability
     scheduled: torch.Tensor  # [NB] long: n_t, tokens the schedule asks for this step
     forced: torch.Tensor  # [NB] bool: the block must make progress this step
+    step: torch.Tensor  # [NB] long: how many forced steps the block has had before this one
+    proposal: torch.Tensor | None = None  # [NB, L] long
+    previous: torch.Tensor | None = None  # [NB, L] long: last step's proposal (-1: none)
+    salience: torch.Tensor | None = None  # [NB, L] float: (max ℓ - mean ℓ) / std ℓ
+    noise: torch.Tensor | None = None  # [NB, L] float: uniform in (0, 1), seeded per row
 
 
 @dataclass(frozen=True)
 class StrategyParams:
     threshold: float
     fallback: str = "topk"
+    strict: bool = True
+    entropy_budget: float = 1.0
+    relative_alpha: float = 0.9
+    factor: float = 1.0
+    steps: int = 1
+    dream_eps: float = 1e-3
 
 
 @dataclass(frozen=True)
 class Strategy:
     name: str
     select: Callable[[BlockScores, StrategyParams], torch.Tensor]
+    summary: str
+    source: str
+    parameters: tuple[str, ...] = ()
     default_threshold: float = 0.9
     threshold_range: tuple[float, float] = (0.0, 1.0)
+    strict: bool = True  # default comparison with the threshold
+    needs: frozenset = frozenset()  # optional BlockScores fields it reads
 
 
 STRATEGIES: dict[str, Strategy] = {}
@@ -51,56 +69,203 @@ def strategy_names() -> tuple[str, ...]:
     return tuple(sorted(STRATEGIES))
 
 
+# -- building blocks ------------------------------------------------------------------------------------------------
+
+
 def select_smallest(key: torch.Tensor, masked: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
     """The `count` masked positions of each row with the smallest key (ties → lowest position)."""
-    order = torch.sort(key.masked_fill(~masked, float("inf")), dim=-1, stable=True).indices
-    positions = torch.arange(key.shape[-1], device=key.device).expand_as(order)
-    rank = torch.empty_like(order).scatter_(-1, order, positions)
+    order = torch.sort(key.masked_fill(~masked, INF), dim=-1, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, _positions(key).expand_as(order))
     count = count[:, None] if isinstance(count, torch.Tensor) else count
     return masked & (rank < count)
 
 
-def _position_key(scores: BlockScores) -> torch.Tensor:
-    return torch.arange(scores.masked.shape[-1], device=scores.masked.device, dtype=torch.float32).expand(
-        scores.masked.shape
-    )
+def prefix_of_sorted(key: torch.Tensor, masked: torch.Tensor, keep: Callable[[torch.Tensor], torch.Tensor]):
+    """Sort each row's masked positions by `key` (ascending, stable) and take the longest prefix whose sorted values
+    `keep` accepts position by position (keep gets the sorted values, non-masked ones at +inf); returns the mask and
+    the prefix length."""
+    sorted_key, order = torch.sort(key.masked_fill(~masked, INF), dim=-1, stable=True)
+    accepted = (keep(sorted_key) & torch.isfinite(sorted_key)).long().cumprod(-1)
+    length = accepted.sum(-1)
+    rank = torch.empty_like(order).scatter_(-1, order, _positions(key).expand_as(order))
+    return masked & (rank < length[:, None]), length
 
 
-def _forced_only(scores: BlockScores, chosen: torch.Tensor) -> torch.Tensor:
-    return chosen & scores.forced[:, None]
+def _positions(key: torch.Tensor) -> torch.Tensor:
+    return torch.arange(key.shape[-1], device=key.device)
 
 
-def _sequential(s: BlockScores, p: StrategyParams) -> torch.Tensor:
+def _position_key(s: BlockScores) -> torch.Tensor:
+    return _positions(s.masked).to(torch.float32).expand(s.masked.shape)
+
+
+def _above(value: torch.Tensor, threshold: float, strict: bool) -> torch.Tensor:
+    return value > threshold if strict else value >= threshold
+
+
+def _forced_only(s: BlockScores, chosen: torch.Tensor) -> torch.Tensor:
+    return chosen & s.forced[:, None]
+
+
+def _with_forced_top1(s: BlockScores, passing: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """`passing`, plus the smallest-key masked position of forced blocks where nothing passed."""
+    stalled = s.forced & ~passing.any(-1)
+    return passing | (select_smallest(key, s.masked, 1) & stalled[:, None])
+
+
+# -- fixed-count strategies -----------------------------------------------------------------------------------------
+
+
+def _sequential(s, p):
     return _forced_only(s, select_smallest(_position_key(s), s.masked, s.scheduled))
 
 
-def _low_confidence_static(s: BlockScores, p: StrategyParams) -> torch.Tensor:
+def _anti_sequential(s, p):
+    return _forced_only(s, select_smallest(-_position_key(s), s.masked, s.scheduled))
+
+
+def _low_confidence_static(s, p):
     return _forced_only(s, select_smallest(-s.confidence, s.masked, s.scheduled))
 
 
-def _low_confidence_dynamic(s: BlockScores, p: StrategyParams) -> torch.Tensor:
-    passing = s.masked & (s.confidence > p.threshold)
+def _random(s, p):
+    return _forced_only(s, select_smallest(s.noise, s.masked, s.scheduled))
+
+
+def _least_entropy(s, p):
+    return _forced_only(s, select_smallest(s.entropy, s.masked, s.scheduled))
+
+
+def _top2_margin(s, p):
+    return _forced_only(s, select_smallest(-s.margin, s.masked, s.scheduled))
+
+
+# -- threshold strategies -------------------------------------------------------------------------------------------
+
+
+def _low_confidence_dynamic(s, p):
+    passing = s.masked & _above(s.confidence, p.threshold, p.strict)
     fallback_key = -s.confidence if p.fallback == "topk" else _position_key(s)
     short = s.forced & (passing.sum(-1) < s.scheduled)
     return torch.where(short[:, None], select_smallest(fallback_key, s.masked, s.scheduled), passing)
 
 
-def _confidence_threshold(s: BlockScores, p: StrategyParams) -> torch.Tensor:
-    passing = s.masked & (s.confidence >= p.threshold)
+def _confidence_threshold(s, p):
+    passing = s.masked & _above(s.confidence, p.threshold, p.strict)
     return passing | _forced_only(s, select_smallest(-s.confidence, s.masked, 1))
 
 
-def _entropy_threshold(s: BlockScores, p: StrategyParams) -> torch.Tensor:
+def _confidence_factor(s, p):
+    """Fast-dLLM v1's factor rule: the longest prefix (by confidence, descending) with c_(r) ≥ 1 − f/(r + 1)."""
+    rank = _positions(s.masked) + 1
+
+    def keep(sorted_negative_confidence):
+        return (-sorted_negative_confidence >= 1 - p.factor / (rank + 1)) | (rank == 1)
+
+    chosen, length = prefix_of_sorted(-s.confidence, s.masked, keep)
+    only_last_failed = length == s.masked.sum(-1) - 1  # Fast-dLLM takes the last one too in that case
+    return torch.where(only_last_failed[:, None], s.masked, chosen)
+
+
+def _entropy_threshold(s, p):
     passing = s.masked & (s.entropy < p.threshold)
-    stalled = s.forced & ~passing.any(-1)
-    return passing | (select_smallest(s.entropy, s.masked, 1) & stalled[:, None])
+    return _with_forced_top1(s, passing, s.entropy)
 
 
-for _strategy in (
-    Strategy("sequential", _sequential),
-    Strategy("low_confidence_static", _low_confidence_static),
-    Strategy("low_confidence_dynamic", _low_confidence_dynamic),
-    Strategy("confidence_threshold", _confidence_threshold),
-    Strategy("entropy_threshold", _entropy_threshold, default_threshold=0.5, threshold_range=(0.0, float("inf"))),
-):
-    register_strategy(_strategy)
+def _entropy_bounded(s, p):
+    chosen, _ = prefix_of_sorted(s.entropy, s.masked, lambda h: h.cumsum(-1) < p.entropy_budget)
+    return _with_forced_top1(s, chosen, s.entropy)
+
+
+def _dynamic_pmax(s, p):
+    log_threshold = torch.log(torch.tensor(p.threshold, dtype=torch.float64)).item() if p.threshold > 0 else -INF
+    chosen, _ = prefix_of_sorted(
+        -s.confidence, s.masked, lambda neg_c: torch.log(-neg_c).cumsum(-1) >= log_threshold
+    )
+    return _with_forced_top1(s, chosen, -s.confidence)
+
+
+def _causal_waterfall(s, p):
+    """The longest run of masked positions, from the first one, whose confidences all pass."""
+    passing = ~s.masked | _above(s.confidence, p.threshold, p.strict)
+    run = s.masked & passing.long().cumprod(-1).bool()
+    return _with_forced_top1(s, run, _position_key(s))
+
+
+def _relative_top(s, p):
+    best = s.confidence.masked_fill(~s.masked, -INF).max(-1, keepdim=True).values
+    passing = s.masked & (s.confidence >= p.relative_alpha * best)
+    return _with_forced_top1(s, passing, -s.confidence)
+
+
+def _consensus_commit(s, p):
+    agree = (s.proposal == s.previous) & _above(s.confidence, p.threshold, p.strict)
+    return _with_forced_top1(s, s.masked & agree, -s.confidence)
+
+
+def _logit_salience(s, p):
+    passing = s.masked & _above(s.salience, p.threshold, p.strict)
+    return _with_forced_top1(s, passing, -s.salience)
+
+
+# -- Dream's global schedule ----------------------------------------------------------------------------------------
+
+
+def dream_count(s: BlockScores, p: StrategyParams) -> torch.Tensor:
+    """Dream: n = ⌊M·(1 − s/t)⌋ with t, s consecutive points of linspace(1, eps, steps + 1) and M the masks left;
+    the last step (and any later one) commits everything."""
+    remaining = s.masked.sum(-1)
+    t = 1 - (1 - p.dream_eps) * s.step / p.steps
+    t_next = 1 - (1 - p.dream_eps) * (s.step + 1) / p.steps
+    count = torch.floor(remaining * (1 - t_next / t)).long()
+    return torch.where(s.step >= p.steps - 1, remaining, count)
+
+
+def _dream(score: Callable[[BlockScores], torch.Tensor]):
+    def select(s, p):
+        return _forced_only(s, select_smallest(-score(s), s.masked, dream_count(s, p)))
+
+    return select
+
+
+def _register_all() -> None:
+    entropy_range = (0.0, INF)
+    for strategy in (
+        Strategy("sequential", _sequential, "leftmost n_t masked positions", "SDAR, JetEngine"),
+        Strategy("anti_sequential", _anti_sequential, "rightmost n_t masked positions", "ablation baseline"),
+        Strategy("low_confidence_static", _low_confidence_static, "n_t most confident", "LLaDA low_confidence, SDAR"),
+        Strategy("random", _random, "n_t masked positions uniformly at random (seeded)", "LLaDA random",
+                 needs=frozenset({"noise"})),
+        Strategy("least_entropy", _least_entropy, "n_t lowest entropy", "entropy ordering"),
+        Strategy("top2_margin", _top2_margin, "n_t largest top-1 − top-2 margin", "margin ordering"),
+        Strategy("low_confidence_dynamic", _low_confidence_dynamic,
+                 "{c > τ}; if fewer than n_t pass, the fallback picks n_t", "SDAR (topk), JetEngine (leftmost)",
+                 ("threshold", "fallback")),
+        Strategy("confidence_threshold", _confidence_threshold, "{c ≥ τ} ∪ top-1", "Fast-dLLM v1 (≥), v2 (>)",
+                 ("threshold",), strict=False),
+        Strategy("confidence_factor", _confidence_factor,
+                 "longest prefix by confidence with c_(r) ≥ 1 − f/(r+1), ≥ 1", "Fast-dLLM v1 factor", ("factor",)),
+        Strategy("entropy_threshold", _entropy_threshold, "{H < τ} plus a forced lowest-H token",
+                 "d3LLM / Open-dLLM", ("threshold",), default_threshold=0.5, threshold_range=entropy_range),
+        Strategy("entropy_bounded", _entropy_bounded, "lowest-H prefix with Σ H < γ, ≥ 1",
+                 "EB-sampler (JetEngine)", ("entropy_budget",)),
+        Strategy("dynamic_pmax", _dynamic_pmax, "most-confident prefix with Π c ≥ τ, ≥ 1", "ours",
+                 ("threshold",), strict=False),
+        Strategy("causal_waterfall", _causal_waterfall, "leftmost run of masked positions with c > τ, ≥ 1",
+                 "ours", ("threshold",)),
+        Strategy("relative_top", _relative_top, "{c ≥ α·max c}, ≥ 1", "ours", ("relative_alpha",)),
+        Strategy("consensus_commit", _consensus_commit,
+                 "proposal equal to last step's and c > τ, ≥ 1", "ours", ("threshold",),
+                 needs=frozenset({"previous"})),
+        Strategy("logit_salience", _logit_salience, "{(max ℓ − mean ℓ)/std ℓ > τ}, ≥ 1", "ours", ("threshold",),
+                 default_threshold=8.0, threshold_range=entropy_range, needs=frozenset({"salience"})),
+        Strategy("maskgit_plus", _dream(lambda s: s.confidence), "Dream schedule, by confidence", "Dream",
+                 ("steps_per_block",)),
+        Strategy("topk_margin", _dream(lambda s: s.margin), "Dream schedule, by margin", "Dream", ("steps_per_block",)),
+        Strategy("entropy", _dream(lambda s: -s.entropy), "Dream schedule, by negative entropy", "Dream",
+                 ("steps_per_block",)),
+    ):
+        register_strategy(strategy)
+
+
+_register_all()

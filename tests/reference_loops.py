@@ -22,7 +22,8 @@ def full_logits(model, tokens: torch.Tensor, allowed: torch.Tensor, mask_id: int
     if shift:
         logits = torch.cat([logits[:1], logits[:-1]], dim=0)
     logits = logits.float().clone()
-    logits[:, mask_id] = float("-inf")
+    if mask_id is not None:
+        logits[:, mask_id] = float("-inf")
     return logits
 
 
@@ -42,10 +43,11 @@ def num_transfer(length: int, steps: int) -> list[int]:
     return [length // steps + (1 if t < length % steps else 0) for t in range(steps)]
 
 
-def finish(x: torch.Tensor, prompt_len: int, new: int, stop_ids, pad: int) -> torch.Tensor:
+def finish(x: torch.Tensor, prompt_len: int, new: int, stop_ids, pad: int | None) -> torch.Tensor:
+    """The generated part, `pad` after the first stop token (kept as is when pad is None)."""
     out = x[prompt_len : prompt_len + new].clone()
     for i, token in enumerate(out.tolist()):
-        if token in stop_ids:
+        if token in stop_ids and pad is not None:
             out[i + 1 :] = pad
             break
     return out
@@ -58,9 +60,10 @@ def top_positions(score: dict[int, float], n: int, largest: bool = True) -> list
 
 
 def sdar_reference(model, prompt, mask_id, block, steps, new, strategy, threshold=0.9, fallback="topk",
-                   stop_ids=(), pad=0):
+                   stop_ids=(), pad=0, record=None):
     """SDAR generate.py: absolute blocks, staircase prefill of ⌊P/B⌋·B tokens, prompt tail in the first block,
-    read-only denoise forwards, one store forward per block, stop checked after each block."""
+    read-only denoise forwards, one store forward per block, stop checked after each block.
+    `record` (a dict) receives position → (1-based forward index, probability, entropy) of each committed token."""
     p = len(prompt)
     total = math.ceil((p + new) / block) * block
     x = torch.full((total,), mask_id, dtype=torch.long)
@@ -91,16 +94,21 @@ def sdar_reference(model, prompt, mask_id, block, steps, new, strategy, threshol
                 raise ValueError(strategy)
             for i in chosen:
                 x[i] = proposal[i]
+                if record is not None:
+                    entropy = float(-(probs[i] * torch.log(probs[i].clamp_min(1e-30))).sum())
+                    record[i - p] = (forwards, confidence[i], entropy)
         if any(int(t) in stop_ids for t in x[p:]):
             break
     return finish(x, p, new, stop_ids, pad), forwards
 
 
 def llada_reference(model, prompt, mask_id, block, steps, new, remasking="low_confidence", threshold=None,
-                    stop_ids=(), pad=0, shift=False):
+                    stop_ids=(), pad=0, shift=False, temperature=0.0, noise=None, cfg_scale=0.0):
     """LLaDA generate.py: prompt_end blocks, bidirectional full recompute, exactly `steps` forwards per block,
     get_num_transfer_tokens over the block's masks, confidence from a float64 softmax, later blocks excluded.
-    remasking="threshold" is Fast-dLLM v1's parallel decoding: {c ≥ τ} ∪ top-1 until the block is done."""
+    remasking="threshold" is Fast-dLLM v1's parallel decoding: {c ≥ τ} ∪ top-1 until the block is done.
+    At temperature > 0 proposals are argmax(ℓ/T + g) in float64 with Gumbel noise `noise(position, draw)` and the
+    confidence stays softmax(ℓ); cfg_scale > 0 mixes in the logits of the canvas with the prompt masked."""
     p = len(prompt)
     x = torch.full((p + new,), mask_id, dtype=torch.long)
     x[:p] = prompt
@@ -112,10 +120,19 @@ def llada_reference(model, prompt, mask_id, block, steps, new, remasking="low_co
         step = 0
         while any(x[i] == mask_id for i in range(lo, hi)) if remasking == "threshold" else step < steps:
             masked = [i for i in range(lo, hi) if x[i] == mask_id]
-            logits = full_logits(model, x, everything, mask_id, shift)
+            logits = full_logits(model, x, everything, None, shift).double()
+            if cfg_scale > 0:
+                unconditional = x.clone()
+                unconditional[:p] = mask_id
+                un = full_logits(model, unconditional, everything, None, shift).double()
+                logits = un + (cfg_scale + 1) * (logits - un)
+            logits[:, mask_id] = float("-inf")
             forwards += 1
-            probs = torch.softmax(logits.double(), -1)
-            proposal = {i: int(logits[i].argmax()) for i in masked}
+            probs = torch.softmax(logits, -1)
+            if temperature > 0:
+                proposal = {i: int((logits[i] / temperature + noise(i, forwards - 1).double()).argmax()) for i in masked}
+            else:
+                proposal = {i: int(logits[i].argmax()) for i in masked}
             confidence = {i: float(probs[i, proposal[i]]) for i in masked}
             if remasking == "threshold":
                 chosen = [i for i in masked if confidence[i] >= threshold]
@@ -131,9 +148,13 @@ def llada_reference(model, prompt, mask_id, block, steps, new, remasking="low_co
 
 
 def multi_block_reference(model, prompt, mask_id, block, new, threshold, block_add_threshold,
-                          decoded_token_threshold, max_active_blocks=10**9, shift=True, stop_ids=(), pad=0):
+                          decoded_token_threshold, max_active_blocks=10**9, shift=True, stop_ids=(), pad=0,
+                          activation_on_add=None, eos_fill=False):
     """d3LLM/Open-dLLM-style multi-block decoding (DESIGN §3.4, §7) with entropy threshold and forced progress:
-    prompt_end blocks, the prompt is block 0, block-causal over blocks, full recompute of the canvas each step."""
+    prompt_end blocks, the prompt is block 0, block-causal over blocks, full recompute of the canvas each step.
+    Per step: (1) blocks whose predecessor reached `decoded_token_threshold` become fully activated; (2) one block
+    is added, fully activated at once if its predecessor reached `activation_on_add`; with `eos_fill` the first
+    decided stop token overwrites every later position before the next forward."""
     p = len(prompt)
     x = torch.full((p + new,), mask_id, dtype=torch.long)
     x[:p] = prompt
@@ -146,15 +167,23 @@ def multi_block_reference(model, prompt, mask_id, block, new, threshold, block_a
         lo, hi = spans[k]
         return sum(int(x[i] != mask_id) for i in range(lo, hi)) / (hi - lo)
 
+    on_add = decoded_token_threshold if activation_on_add is None else activation_on_add
     added, full, forwards = 0, set(), 0
     while True:
+        if eos_fill:
+            for i in range(p, p + new):
+                if int(x[i]) in stop_ids:
+                    x[i + 1:] = x[i]
+                    break
+        for k in range(added):
+            if progress(k - 1) >= decoded_token_threshold:
+                full.add(k)
         incomplete = [k for k in range(added) if progress(k) < 1.0]
         last = progress(added - 1)
         if added < len(spans) and (last >= block_add_threshold or last == 1.0) and len(incomplete) < max_active_blocks:
             added += 1
-        for k in range(added):
-            if progress(k - 1) >= decoded_token_threshold:
-                full.add(k)
+            if progress(added - 2) >= on_add:
+                full.add(added - 1)
         active = [k for k in range(added) if progress(k) < 1.0]
         stop_at = first_settled_stop(x, p, new, spans, mask_id, stop_ids)
         if stop_at is not None or (not active and added == len(spans)):
@@ -174,7 +203,7 @@ def multi_block_reference(model, prompt, mask_id, block, new, threshold, block_a
             chosen += passing
         for i in chosen:
             x[i] = int(logits[i].argmax())
-    return finish(x, p, new, stop_ids, pad), forwards
+    return finish(x, p, new, stop_ids, pad if not eos_fill else None), forwards
 
 
 def first_settled_stop(x, p, new, spans, mask_id, stop_ids):

@@ -1,34 +1,44 @@
 """The decode loop of DESIGN §3: prefill, then steps of window forward → scores → strategy → canvas.
 
-One `Decoder` serves every mode: block-causal windows over the paged cache (single- or multi-block, fused store or
-a separate store forward) and bidirectional full recompute. Rows that have nothing to do are left out of a forward.
+One `Decoder` serves every mode. Block-causal models decode windows over the exact paged cache (single- or
+multi-block; the finished blocks at a window's front are stored in the same forward, or in a forward of their own
+with `fused_store=False`). Bidirectional models recompute the whole canvas, or use Fast-dLLM v1's approximate
+prefix/dual cache. A window always starts at its row's committed length; rows with nothing to do sit out.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..attention import blockdiff_attention
 from ..cache import ForwardPlan, PagedBlockCache
 from ..config import BlockDiffusionConfig
-from ..scoring import SamplingParams, score_logits
-from ..strategies import STRATEGIES, BlockScores, StrategyParams
-from .state import DecodeState
+from .decide import Decider
+from .state import BlockStatus, DecodeState
+
+
+@dataclass
+class Window:
+    rows: torch.Tensor  # [R] canvas rows in the forward
+    start: torch.Tensor  # [R] first canvas position (= the row's committed length)
+    q_limit: torch.Tensor  # [R, W] int32 key limit per query, 0 for padding
+    valid: torch.Tensor  # [R, W] bool
+    store: torch.Tensor  # [R] complete blocks at the front to commit after the forward
+    commit_to: torch.Tensor | None = None  # [R] approximate caches: committed length after the forward
 
 
 class Decoder:
     def __init__(self, model, cfg: BlockDiffusionConfig, state: DecodeState, backend: str, seeds: torch.Tensor):
-        self.model, self.cfg, self.state, self.backend, self.seeds = model, cfg, state, backend, seeds
+        self.model, self.cfg, self.state, self.backend = model, cfg, state, backend
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-        self.lm_head = model.get_output_embeddings()
+        self.decider = Decider(cfg, model.get_output_embeddings(), seeds)
         self.causal = cfg.attention == "block_causal"
-        self.cache = self._cache() if self.causal else None
+        self.cache = self._cache() if self.causal or cfg.approx_cache != "none" else None
         self.num_forwards = 0
-        self.carry = None  # hidden state of each row's last committed position (logit shift)
+        self.carry = None  # hidden state at each row's last committed position (logit shift)
         self.stop_ids = torch.tensor(cfg.stop_ids, dtype=torch.long, device=state.canvas.device)
-        self.strategy = STRATEGIES[cfg.strategy]
-        self.strategy_params = StrategyParams(cfg.effective_threshold, cfg.fallback)
-        self.sampling = SamplingParams(cfg.mask_token_id, cfg.temperature, cfg.top_k, cfg.top_p)
 
     def _cache(self) -> PagedBlockCache:
         cache = getattr(self.model, "_blockdiff_cache", None)
@@ -41,26 +51,27 @@ class Decoder:
 
     # -- forwards --------------------------------------------------------------------------------------------------
 
-    def forward(self, rows: torch.Tensor, start: torch.Tensor, q_limit: torch.Tensor, valid: torch.Tensor):
-        """Hidden states [R, W, H] of the window of `rows` starting at canvas position `start`."""
+    def forward(self, window: Window):
+        """Hidden states [R, W, H] of the windows (and of the unconditional canvases with guidance)."""
+        rows, start, q_limit = window.rows, window.start, window.q_limit
         width = q_limit.shape[1]
-        positions = start[:, None] + torch.arange(width, device=start.device)
-        last = self.state.canvas.shape[1] - 1
-        tokens = self.state.canvas[rows[:, None], positions.clamp(max=last)]
-        if self.causal:
-            plan = self.cache.plan_forward(rows, q_limit, valid, self.backend)
+        positions = (start[:, None] + torch.arange(width, device=start.device)).clamp(max=self.state.canvas.shape[1] - 1)
+        tokens = self.state.canvas[rows[:, None], positions]
+        guided = self.cfg.cfg_scale > 0
+        if guided:
+            prompt = positions < self.state.geometry.prompt_len[rows][:, None]
+            tokens = torch.cat([tokens, tokens.masked_fill(prompt, self.cfg.mask_token_id)])
+            positions, q_limit = positions.repeat(2, 1), q_limit.repeat(2, 1)
+        if self.cache is not None:
+            plan = self.cache.plan_forward(rows, q_limit, window.valid, self.backend)
         else:
             plan = ForwardPlan(q_limit, self.backend)
         with blockdiff_attention(self.model):
-            out = self.decoder(
-                input_ids=tokens,
-                position_ids=positions.clamp(max=last),
-                past_key_values=self.cache,
-                use_cache=self.causal,
-                blockdiff_plan=plan,
-            )
+            out = self.decoder(input_ids=tokens, position_ids=positions, past_key_values=self.cache,
+                               use_cache=self.cache is not None, blockdiff_plan=plan)
         self.num_forwards += 1
-        return out.last_hidden_state
+        hidden = out.last_hidden_state
+        return hidden.chunk(2) if guided else (hidden, None)
 
     def prefill(self) -> None:
         """Write the prefix before each row's first decode block into the cache (block-causal models only)."""
@@ -75,16 +86,35 @@ class Decoder:
             limit = (offsets // geo.block_size + 1) * geo.block_size
         else:
             limit = lengths[:, None].expand(-1, len(offsets))
-        hidden = self.forward(rows, torch.zeros_like(lengths), torch.where(valid, limit, 0).int(), valid)
-        self.cache.commit(rows, lengths)
-        self._carry(rows, hidden, lengths - 1)
+        window = Window(rows, torch.zeros_like(lengths), torch.where(valid, limit, 0).int(), valid, lengths)
+        hidden, _ = self.forward(window)
+        self._committed(rows, lengths, hidden)
 
-    def _carry(self, rows: torch.Tensor, hidden: torch.Tensor, index: torch.Tensor) -> None:
+    def _committed(self, rows: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        """`tokens` more positions of `rows` are final in the cache; keep the hidden state before the next one."""
+        self.cache.commit(rows, tokens)
         if not self.cfg.logit_shift:
             return
         if self.carry is None:
             self.carry = hidden.new_zeros(self.state.num_rows, hidden.shape[-1])
-        self.carry[rows] = hidden[torch.arange(len(rows), device=rows.device), index]
+        self.carry[rows] = hidden[torch.arange(len(rows), device=rows.device), tokens - 1]
+        if self.cfg.first_token_on_store:
+            self._first_token(rows)
+
+    def _first_token(self, rows: torch.Tensor) -> None:
+        """Fast-dLLM v2: the forward that stores a block also decides the next block's first token, greedily."""
+        state = self.state
+        position = self.cache.committed[rows]
+        inside = position < state.geometry.row_end[rows]
+        position = position.clamp(max=state.canvas.shape[1] - 1)
+        open_ = inside & (state.canvas[rows, position] == self.cfg.mask_token_id)
+        rows, position = rows[open_], position[open_]
+        logits = self.decider.logits(state, rows, self.carry[rows], None)
+        logits[:, self.cfg.mask_token_id] = float("-inf")
+        logp = torch.log_softmax(logits, -1)
+        token = logits.argmax(-1)
+        entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+        state.commit(rows, position, token, logp.gather(1, token[:, None]).squeeze(1), entropy, self.num_forwards)
 
     # -- one step ----------------------------------------------------------------------------------------------------
 
@@ -94,113 +124,91 @@ class Decoder:
         state.activate(status)
         is_added = state.block_index < state.added[:, None]
         active = is_added & ~status.complete & ~state.done[:, None]
-        store = state.leading_complete(status) if self.causal else torch.zeros_like(state.added)
-        if self.causal and not self.cfg.fused_store:
-            active &= (store == 0)[:, None]
-            work = active.any(-1) | (store > 0)
-        else:
-            work = active.any(-1)
-        rows = torch.nonzero(work & ~state.done).flatten()
-        if len(rows):
-            start, q_limit, valid = self._window(rows, store[rows])
-            hidden = self.forward(rows, start, q_limit, valid)
-            self._store(rows, start, store[rows], hidden)
-            self._decide(rows, start, hidden, status, active[rows])
+        window = self._window(status, active)
+        if window is not None:
+            hidden, hidden_uncond = self.forward(window)
+            self._store(window, hidden)
+            self._decide(window, status, active[window.rows], hidden, hidden_uncond)
+        if self.cfg.eos_fill and self.stop_ids.numel():
+            state.fill_after_stop(self.stop_ids, self.num_forwards)
         status = state.status()
         state.done |= state.stopped(status, self.stop_ids) | self._finished(status)
 
-    def _window(self, rows: torch.Tensor, store: torch.Tensor):
-        """Start, per-query key limits and validity of each row's window.
-
-        Block-causal: the blocks from the first uncommitted one to the last added one (only the complete ones when
-        a separate store forward is due); each query sees up to the end of its block. Bidirectional: the canvas."""
+    def _window(self, status: BlockStatus, active: torch.Tensor) -> Window | None:
+        """Which rows run, and each row's window (DESIGN §3.2)."""
         state, geo, size = self.state, self.state.geometry, self.state.geometry.block_size
-        if self.causal:
+        store = state.leading_complete(status) if self.causal else torch.zeros_like(state.added)
+        work = active.any(-1)
+        if self.causal and not self.cfg.fused_store:
+            work = work | (store > 0)
+            active &= (store == 0)[:, None]
+        rows = torch.nonzero(work & ~state.done).flatten()
+        if len(rows) == 0:
+            return None
+        store, commit_to = store[rows], None
+        if self.causal:  # from the first uncommitted block to the last added one; each query sees its block's end
             first = state.stored[rows]
-            end_block = state.added[rows] if self.cfg.fused_store else torch.where(store > 0, first + store, state.added[rows])
+            last = state.added[rows] if self.cfg.fused_store else torch.where(store > 0, first + store, state.added[rows])
             start = geo.first_block_start[rows] + first * size
-            width = geo.block_end(rows, end_block - 1) - start
-        else:
-            start = torch.zeros_like(rows)
-            width = geo.row_end[rows]
+            width = geo.block_end(rows, last - 1) - start
+        elif self.cache is None:  # full recompute of the canvas
+            start, width = torch.zeros_like(rows), geo.row_end[rows]
+        else:  # Fast-dLLM v1: a full forward at each block start, then the block (dual) or block + suffix (prefix)
+            block = state.added[rows] - 1
+            block_start = geo.first_block_start[rows] + block * size
+            fresh = state.forced_steps[rows, block] == 0
+            self.cache.committed[rows[fresh]] = 0
+            start = torch.where(fresh, 0, block_start)
+            end = geo.row_end[rows] if self.cfg.approx_cache == "prefix" else geo.block_end(rows, block)
+            width = torch.where(fresh, geo.row_end[rows], end - block_start)
+            commit_to = block_start
         offsets = torch.arange(int(width.max()), device=rows.device)
         valid = offsets < width[:, None]
         if self.causal:
             limit = geo.block_end(rows, first[:, None] + offsets // size)
         else:
-            limit = width[:, None].expand(-1, len(offsets))
-        return start, torch.where(valid, limit, 0).int(), valid
+            limit = geo.row_end[rows][:, None].expand(-1, len(offsets))
+        return Window(rows, start, torch.where(valid, limit, 0).int(), valid, store, commit_to)
 
-    def _store(self, rows: torch.Tensor, start: torch.Tensor, store: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Commit the complete blocks at the front of the windows just computed."""
-        has_store = store > 0
+    def _store(self, window: Window, hidden: torch.Tensor) -> None:
+        """Commit what the forward computed from final tokens: complete front blocks, or an approximate prefix."""
+        if window.commit_to is not None:
+            self.cache.committed[window.rows] = window.commit_to
+            return
+        has_store = window.store > 0
         if not self.causal or not bool(has_store.any()):
             return
-        geo = self.state.geometry
-        tokens = torch.where(has_store, geo.block_end(rows, self.state.stored[rows] + store - 1) - start, 0)
-        self.cache.commit(rows, tokens)
+        rows, start = window.rows[has_store], window.start[has_store]
+        store = window.store[has_store]
+        tokens = self.state.geometry.block_end(rows, self.state.stored[rows] + store - 1) - start
         self.state.stored[rows] += store
-        self._carry(rows[has_store], hidden[has_store], tokens[has_store] - 1)
+        self._committed(rows, tokens, hidden[has_store])
 
-    def _finished(self, status) -> torch.Tensor:
-        state = self.state
-        all_added = state.added == state.geometry.num_blocks
-        decided = status.complete.all(-1)
-        if self.causal and not self.cfg.fused_store:
-            return all_added & decided & (state.stored == state.geometry.num_blocks)
-        return all_added & decided
-
-    def _decide(self, rows, start, hidden, status, active) -> None:
-        """Score the masked positions of the active blocks of `rows` and commit what the strategy picks."""
-        state, geo = self.state, self.state.geometry
-        local, blocks = torch.nonzero(active, as_tuple=True)
-        if len(local) == 0:
+    def _decide(self, window: Window, status: BlockStatus, active: torch.Tensor, hidden: torch.Tensor,
+                hidden_uncond: torch.Tensor | None) -> None:
+        """Gather the hidden state that predicts each slot of the active blocks and let the decider commit."""
+        blocks = self.decider.active_blocks(self.state, status, window.rows, active)
+        if len(blocks.rows) == 0:
             return
-        block_rows = rows[local]
-        positions = geo.positions[block_rows, blocks]
-        masked = status.masked[block_rows, blocks]
-        source = positions - start[local, None] - int(self.cfg.logit_shift)
         width = hidden.shape[1]
-        flat = hidden.reshape(-1, hidden.shape[-1])[local[:, None] * width + source.clamp(0, width - 1)]
-        if self.carry is not None:
-            flat = torch.where((source < 0)[..., None], self.carry[block_rows][:, None], flat)
-        pick_rows, pick_cols = torch.nonzero(masked, as_tuple=True)
-        logits = self.lm_head(flat[pick_rows, pick_cols])
-        counter = positions[pick_rows, pick_cols] * 65599 + state.draws[block_rows[pick_rows]]
-        scores = score_logits(logits, self.sampling, self.seeds[block_rows[pick_rows]], counter)
+        source = blocks.positions - window.start[blocks.window_rows][:, None] - int(self.cfg.logit_shift)
+        index = blocks.window_rows[:, None] * width + source.clamp(0, width - 1)
 
-        def grid(values: torch.Tensor, fill: float) -> torch.Tensor:
-            out = torch.full(masked.shape, fill, dtype=values.dtype, device=values.device)
-            out[pick_rows, pick_cols] = values
-            return out
+        def gather(states: torch.Tensor) -> torch.Tensor:
+            flat = states.reshape(-1, states.shape[-1])[index]
+            if self.carry is not None:
+                flat = torch.where((source < 0)[..., None], self.carry[blocks.rows][:, None], flat)
+            return flat
 
-        forced = self._forced(block_rows, blocks)
-        remaining = status.remaining[block_rows, blocks]
-        block_scores = BlockScores(
-            masked=masked,
-            confidence=grid(scores.confidence, 0.0),
-            entropy=grid(scores.entropy, float("inf")),
-            margin=grid(scores.margin, 0.0),
-            scheduled=state.schedule(block_rows, blocks, remaining),
-            forced=forced,
-        )
-        transfer = self.strategy.select(block_scores, self.strategy_params) & masked
-        state.forced_steps[block_rows[forced], blocks[forced]] += 1
-        state.draws[rows] += active.any(-1).long()
-        t_rows, t_cols = torch.nonzero(transfer, as_tuple=True)
-        canvas_rows, canvas_pos = block_rows[t_rows], positions[t_rows, t_cols]
-        state.canvas[canvas_rows, canvas_pos] = grid(scores.proposal, 0)[t_rows, t_cols]
-        state.commit_step[canvas_rows, canvas_pos] = self.num_forwards
-        state.logprob[canvas_rows, canvas_pos] = grid(scores.logprob, 0.0)[t_rows, t_cols]
-        state.entropy[canvas_rows, canvas_pos] = grid(scores.entropy, 0.0)[t_rows, t_cols]
+        uncond = gather(hidden_uncond) if hidden_uncond is not None else None
+        self.decider.decide(self.state, status, blocks, gather(hidden), uncond, self.num_forwards)
 
-    def _forced(self, block_rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """The lowest fully-activated block of each row among the scored ones must make progress."""
-        full = self.state.full[block_rows, blocks]
-        candidate = torch.where(full, blocks, torch.iinfo(torch.long).max)
-        lowest = torch.full((self.state.num_rows,), torch.iinfo(torch.long).max, device=blocks.device)
-        lowest = lowest.scatter_reduce(0, block_rows, candidate, reduce="amin")
-        return full & (blocks == lowest[block_rows])
+    def _finished(self, status: BlockStatus) -> torch.Tensor:
+        state = self.state
+        finished = (state.added == state.geometry.num_blocks) & status.complete.all(-1)
+        if self.causal and not self.cfg.fused_store:
+            finished &= state.stored == state.geometry.num_blocks
+        return finished
 
     def run(self, streamer=None) -> None:
         self.prefill()

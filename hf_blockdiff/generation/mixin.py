@@ -87,7 +87,8 @@ def _output(input_ids: torch.Tensor, decoder: Decoder, cfg: BlockDiffusionConfig
     first, has_stop = state.first_stop(decoder.stop_ids)
     after_stop = has_stop[:, None] & (index > first[:, None])
     dropped = after_stop | (generated == cfg.mask_token_id)
-    generated = generated.masked_fill(dropped, cfg.pad_token_id)
+    if not cfg.eos_fill:  # with the fill, what follows the stop token is the stop token already
+        generated = generated.masked_fill(dropped, cfg.pad_token_id)
     sequences = torch.cat([input_ids, generated], dim=1)
     if not return_dict:
         return sequences

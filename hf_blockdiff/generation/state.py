@@ -76,6 +76,7 @@ class DecodeState:
         self.forced_steps = torch.zeros(rows, max_blocks, dtype=torch.long, device=device)
         self.draws = torch.zeros(rows, dtype=torch.long, device=device)
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.previous = torch.full((rows, width), -1, dtype=torch.long, device=device)
         self.commit_step = torch.full((rows, width), -1, dtype=torch.long, device=device)
         self.logprob = torch.zeros(rows, width, dtype=torch.float32, device=device)
         self.entropy = torch.zeros(rows, width, dtype=torch.float32, device=device)
@@ -109,9 +110,30 @@ class DecodeState:
             & ((last_progress >= cfg.block_add_threshold) | last_complete)
             & (active < cfg.max_active_blocks)
         )
-        self.added += can_add.long()
         predecessor = torch.cat([torch.ones_like(status.progress[:, :1]), status.progress[:, :-1]], dim=1)
-        self.full |= (blocks < self.added[:, None]) & (predecessor >= cfg.decoded_token_threshold)
+        self.full |= is_added & (predecessor >= cfg.decoded_token_threshold)
+        self.added += can_add.long()
+        new = can_add[:, None] & (blocks == (self.added - 1)[:, None])
+        on_add = cfg.decoded_token_threshold if cfg.add_activation_threshold is None else cfg.add_activation_threshold
+        self.full |= new & (predecessor >= on_add)
+
+    def commit(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, logprob: torch.Tensor,
+               entropy: torch.Tensor, forward_index: int) -> None:
+        """Write decided tokens and what RL users need about them."""
+        self.canvas[rows, positions] = tokens
+        self.commit_step[rows, positions] = forward_index
+        self.logprob[rows, positions] = logprob
+        self.entropy[rows, positions] = entropy
+
+    def fill_after_stop(self, stop_ids: torch.Tensor, forward_index: int) -> None:
+        """d3LLM's EOS fill: every position after a row's first decided stop token becomes that token."""
+        first, has_stop = self.first_stop(stop_ids)
+        positions = torch.arange(self.canvas.shape[1], device=self.canvas.device)
+        after = has_stop[:, None] & (positions > first[:, None]) & (positions < self.geometry.row_end[:, None])
+        token = self.canvas.gather(1, first[:, None]).expand_as(self.canvas)
+        newly = after & (self.canvas == self.cfg.mask_token_id)
+        self.commit_step[newly] = forward_index
+        self.canvas = torch.where(after, token, self.canvas)
 
     def leading_complete(self, status: BlockStatus) -> torch.Tensor:
         """Number of complete added blocks right after the stored ones: what the next forward can store."""

@@ -1,0 +1,82 @@
+"""Compatibility presets (DESIGN §7): BlockDiffusionConfig fields that reproduce a reference decoder.
+
+Each preset pins what changes tokens (attention, alignment, strategy and its comparison, schedule, precision of the
+scores, the reference's extra rules); what the model profile knows (mask id, block size from the checkpoint, logit
+shift, stop ids) is left to the profile unless the reference fixes it. Overrides passed to
+`BlockDiffusionConfig.from_preset(name, **overrides)` win over the preset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Preset:
+    fields: dict
+    summary: str
+    source: str
+    derived: dict = field(default_factory=dict)  # field -> another field whose value it takes when not given
+
+
+PRESETS: dict[str, Preset] = {
+    "sdar": Preset(
+        dict(attention="block_causal", alignment="absolute", logit_shift=False, strategy="low_confidence_dynamic",
+             threshold=0.85, fallback="topk", fused_store=False),
+        "absolute blocks, staircase prefill, prompt tail in block 1, read-only denoise, one store forward per block",
+        "JetAstra/SDAR generate.py",
+    ),
+    "llada": Preset(
+        dict(attention="bidirectional", alignment="prompt_end", logit_shift=False, block_size=32,
+             strategy="low_confidence_static", confidence="raw", score_precision="float64"),
+        "full recompute of the canvas, get_num_transfer_tokens per block, float64 softmax and Gumbel-max",
+        "ML-GSAI/LLaDA generate.py",
+    ),
+    "dream": Preset(
+        dict(attention="bidirectional", alignment="prompt_end", logit_shift=True, strategy="entropy"),
+        "one block over all new tokens, Dream's linspace schedule, scores by negative entropy",
+        "Dream generation_utils.py (diffusion_generate, alg='entropy')",
+        derived=dict(block_size="max_new_tokens"),
+    ),
+    "fast_dllm": Preset(
+        dict(attention="bidirectional", alignment="prompt_end", block_size=32, strategy="confidence_threshold",
+             threshold=0.9, threshold_strict=False, approx_cache="dual", score_precision="float64"),
+        "threshold parallel decoding ({c ≥ τ} ∪ top-1; strategy='confidence_factor' for the factor rule) with the "
+        "dual (or approx_cache='prefix') approximate cache refreshed at each block start",
+        "NVlabs/Fast-dLLM llada/generate.py",
+    ),
+    "fast_dllm_v2": Preset(
+        dict(attention="block_causal", alignment="absolute", logit_shift=True, sub_block_size=8,
+             strategy="confidence_threshold", threshold=0.9, threshold_strict=True, fused_store=False,
+             first_token_on_store=True),
+        "blocks decoded sub-block by sub-block with {c > τ} ∪ argmax; the forward storing a block also decides "
+        "the next block's first token",
+        "NVlabs/Fast-dLLM v2 generate",
+    ),
+    "d3llm": Preset(
+        dict(attention="block_causal", alignment="prompt_end", logit_shift=True, block_size=32,
+             max_active_blocks=1 << 20, block_add_threshold=0.5, decoded_token_threshold=0.5,
+             add_activation_threshold=0.5, strategy="entropy_threshold", threshold=0.9, score_precision="float64",
+             eos_fill=True),
+        "multi-block: add at progress ≥ 0.5, full activation at predecessor ≥ 0.5, {H < τ} plus one forced token, "
+        "EOS fill",
+        "Open-dLLM generate_multi_block (as d3LLM documents it)",
+    ),
+}
+
+
+def preset_names() -> tuple[str, ...]:
+    return tuple(PRESETS)
+
+
+def preset_fields(name: str, overrides: dict, defaults: type) -> dict:
+    """Keyword arguments of BlockDiffusionConfig for preset `name` with `overrides` applied; `defaults` (the config
+    class) supplies the default of a field another one is derived from."""
+    if name not in PRESETS:
+        raise ValueError(f"Unknown preset {name!r}: choose one of {', '.join(PRESETS)}.")
+    preset = PRESETS[name]
+    values = {**preset.fields, **overrides, "preset": name}
+    for target, source in preset.derived.items():
+        if target not in overrides:
+            values[target] = values.get(source, getattr(defaults, source))
+    return values
