@@ -1,8 +1,9 @@
-"""Configs that read and write the released `config.json` of remote-code checkpoints.
+"""Fidelity to the released checkpoints: their `config.json` in and out, and all of their weights in.
 
 The diffusion checkpoints we load (SDAR, LLaDA, Dream, Fast-dLLM v2) ship a `config.json` written for their own
 remote code under transformers 4.x. Our config classes load it unchanged and `save_pretrained` writes it back with the
-same keys, so a saved checkpoint still loads with the released remote code.
+same keys, so a saved checkpoint still loads with the released remote code; our model classes refuse a checkpoint
+that lacks some of their weights.
 """
 
 from __future__ import annotations
