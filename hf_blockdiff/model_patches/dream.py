@@ -1,0 +1,50 @@
+"""Dream (HKUNLP, `model_type: Dream`): the Qwen2 architecture and weight names, attention bidirectional everywhere.
+
+The released `modeling_dream.py` is Qwen2 (q/k/v with bias, `o_proj` without) whose attention has `is_causal=False`
+and only applies the mask it is given (a padding mask, or none), so its plain forward is bidirectional; ours is too.
+Dream predicts token i from position i-1 (logit shift). As released, `DreamModel` is the language model (what the
+config's `architectures` and `auto_map["AutoModel"]` name; there is no `AutoModelForCausalLM` entry) and
+`DreamBaseModel` the decoder without head.
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from torch import nn
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
+from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
+
+from .attention import BidirectionalDecoder
+from .profiles import ModelProfile
+from .released import CompleteCheckpoint, ReleasedConfig
+
+PROFILE = ModelProfile(
+    mask_token_id=151666, attention="bidirectional", alignment="prompt_end", logit_shift=True,
+    eos_token_id=151643,  # <|endoftext|>: the released generation_config.json
+)
+
+
+@strict
+class DreamConfig(ReleasedConfig, Qwen2Config):
+    model_type = "Dream"
+
+    mask_token_id: int | None = 151666
+
+
+class DreamBaseModel(CompleteCheckpoint, BidirectionalDecoder, Qwen2Model):
+    """Qwen2 decoder whose plain forward is bidirectional (padding mask only)."""
+
+    config_class = DreamConfig
+
+
+class DreamModel(CompleteCheckpoint, Qwen2ForCausalLM):
+    """Qwen2 causal LM on `DreamBaseModel`; loads the released Dream checkpoints (weights unchanged)."""
+
+    config_class = DreamConfig
+
+    def __init__(self, config: DreamConfig):
+        Qwen2PreTrainedModel.__init__(self, config)  # the stock __init__ with our base model, built once
+        self.model = DreamBaseModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()

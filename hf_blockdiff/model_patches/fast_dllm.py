@@ -1,0 +1,52 @@
+"""Fast-dLLM v2 (NVlabs, `model_type: Fast_dLLM_Qwen`): Qwen2.5 weights, block-causal attention over `bd_size`.
+
+The released `modeling.py` is Qwen2 (q/k/v with bias). Its plain forward is not causal: in eval mode it discards the
+given `attention_mask` and applies `block(q) >= block(k)` over absolute positions (blocks of its forward argument
+`block_size`, default 32 = the released `bd_size`; training uses `bd_size`), and with its sub-block cache the block's
+tokens attend to each other fully. Our `Fast_dLLM_QwenModel` applies the same block-causal rule with `config.bd_size`
+(keeping a padding mask if one is given). Its generation reads token i from position i-1 (logit shift).
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from torch import nn
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
+from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
+
+from .attention import BlockCausalDecoder
+from .profiles import ModelProfile
+from .released import CompleteCheckpoint, ReleasedConfig
+
+PROFILE = ModelProfile(
+    mask_token_id=151665, attention="block_causal", alignment="absolute", logit_shift=True,
+    eos_token_id=151645,  # <|im_end|>, the reference's stop token
+)
+
+
+@strict
+class Fast_dLLM_QwenConfig(ReleasedConfig, Qwen2Config):
+    model_type = "Fast_dLLM_Qwen"
+    attribute_map = {"block_size": "bd_size"}
+
+    bd_size: int = 32
+
+
+class Fast_dLLM_QwenModel(CompleteCheckpoint, BlockCausalDecoder, Qwen2Model):
+    """Qwen2 decoder whose plain forward is block-causal over blocks of `config.bd_size`."""
+
+    config_class = Fast_dLLM_QwenConfig
+
+
+class Fast_dLLM_QwenForCausalLM(CompleteCheckpoint, Qwen2ForCausalLM):
+    """Qwen2 causal LM on `Fast_dLLM_QwenModel`; loads the released Fast-dLLM v2 checkpoints (weights unchanged)."""
+
+    config_class = Fast_dLLM_QwenConfig
+    _supports_flash_attn = False
+
+    def __init__(self, config: Fast_dLLM_QwenConfig):
+        Qwen2PreTrainedModel.__init__(self, config)  # the stock __init__ with our base model, built once
+        self.model = Fast_dLLM_QwenModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
