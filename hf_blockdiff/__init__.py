@@ -1,7 +1,9 @@
 """hf_blockdiff: fast block-diffusion decoding inside Hugging Face transformers.
 
-`import hf_blockdiff` registers the attention function and puts `generate_multi_block` on the stock Qwen2, Qwen3,
-Qwen3-MoE and Llama causal LMs; `patch_model(model)` does the same for any other causal LM class.
+`import hf_blockdiff` registers the attention function and the released checkpoint families (SDAR, SDAR-MoE,
+LLaDA, Dream, Fast-dLLM v2: `AutoModelForCausalLM.from_pretrained` loads them without remote code), and puts
+`generate_multi_block` on them and on the stock Qwen2, Qwen3, Qwen3-MoE and Llama causal LMs; `patch_model(model)`
+does the same for any other causal LM class.
 """
 
 from . import attention as _attention
@@ -22,4 +24,4 @@ __all__ = [
 ]
 
 _attention.register()
-_patching.patch_stock_classes()
+_patching.patch_known_classes()

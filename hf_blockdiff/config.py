@@ -200,6 +200,8 @@ class BlockDiffusionConfig:
                 "No mask token id is known for this model: pass BlockDiffusionConfig(mask_token_id=...) or set "
                 "`model.config.mask_token_id`."
             )
+        if cfg.block_size is None and cfg.attention == "bidirectional":
+            cfg.block_size = cfg.max_new_tokens  # one block over the whole generation, as Dream decodes
         if cfg.block_size is None:
             raise ValueError(
                 "No block size is known for this model: pass BlockDiffusionConfig(block_size=...) or set "

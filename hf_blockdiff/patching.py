@@ -21,11 +21,17 @@ def patch_model(model):
     return model
 
 
-def patch_stock_classes() -> None:
+def patch_known_classes() -> None:
+    """The stock Qwen2/Qwen3/Qwen3-MoE/Llama causal LMs and our checkpoint families get `generate_multi_block`."""
     import transformers
 
+    from .model_patches import FAMILIES, register_all
+
+    register_all()
     for name in STOCK_CLASSES:
         patch_class(getattr(transformers, name))
+    for _config, _model, causal_lm, _profile in FAMILIES:
+        patch_class(causal_lm)
 
 
 def free_cache(model) -> None:

@@ -1,43 +1,6 @@
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-import hf_blockdiff  # noqa: F401  (patches the stock classes)
-
-VOCAB, MASK = 96, 95
-FAMILIES = {
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "llama": (LlamaConfig, LlamaForCausalLM),
-}
-
-
-def tiny_model(family: str = "qwen3", seed: int = 0, **config):
-    """A tiny fp32 random model whose confidences spread over (0, 1), so thresholds fire and ties are absent."""
-    config_class, model_class = FAMILIES[family]
-    torch.manual_seed(seed)
-    defaults = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, initializer_range=0.5, max_position_embeddings=512,
-        attn_implementation="sdpa", tie_word_embeddings=False,
-    )
-    defaults.update(config)
-    return model_class(config_class(**defaults)).eval()
-
-
-def random_prompts(lengths, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, MASK - 4, (n,), generator=generator) for n in lengths]
-
-
-def left_pad(prompts, pad=0):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = prompt
-        mask[row, width - len(prompt):] = 1
-    return ids, mask
+from helpers import tiny_model
 
 
 @pytest.fixture(scope="session")

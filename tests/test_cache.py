@@ -6,7 +6,7 @@ import torch
 from hf_blockdiff import BlockDiffusionConfig, PagedBlockCache
 from reference_loops import staircase
 
-from conftest import MASK, left_pad, random_prompts
+from helpers import MASK, left_pad, random_prompts
 
 
 def committed_kv(model, row: int, length: int):

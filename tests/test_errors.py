@@ -5,7 +5,7 @@ import torch
 
 from hf_blockdiff import BlockDiffusionConfig
 
-from conftest import MASK, left_pad, random_prompts, tiny_model
+from helpers import MASK, left_pad, random_prompts, tiny_model
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from hf_blockdiff.kernels.rng import gumbel_noise
 from reference_loops import llada_reference, multi_block_reference, sdar_reference
 from reference_presets import dream_reference, fast_dllm_reference, fast_dllm_v2_reference
 
-from conftest import MASK, left_pad, random_prompts
+from helpers import MASK, left_pad, random_prompts
 
 PROMPTS = (8, 5, 11)
 

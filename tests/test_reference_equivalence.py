@@ -8,7 +8,7 @@ import torch
 from hf_blockdiff import BlockDiffusionConfig
 from reference_loops import llada_reference, multi_block_reference, sdar_reference
 
-from conftest import MASK, left_pad, random_prompts, tiny_model
+from helpers import MASK, left_pad, random_prompts, tiny_model
 
 NEW = 12
 LENGTHS = (8, 5, 11)  # P mod 4 = 0 and ≠ 0; P mod 8 = 0 and ≠ 0

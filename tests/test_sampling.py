@@ -5,7 +5,7 @@ import torch
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.scoring import SamplingParams, score_logits, top_p_filter
 
-from conftest import MASK, left_pad, random_prompts
+from helpers import MASK, left_pad, random_prompts
 
 SAMPLING = dict(mask_token_id=MASK, block_size=4, max_new_tokens=12, attention="block_causal", eos_token_id=[],
                 temperature=1.0, strategy="low_confidence_dynamic", threshold=0.5)

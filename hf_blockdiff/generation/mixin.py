@@ -31,13 +31,14 @@ class BlockDiffusionOutput(ModelOutput):
 
 
 def model_profile(model) -> ModelProfile:
-    """The model's decoding profile, with stop and pad ids from its generation config when the profile has none."""
+    """The model's decoding profile; the stop and pad ids of the model's own generation config (or config) win over
+    its family's."""
     generation = getattr(model, "generation_config", None)
-    defaults = ModelProfile(
-        eos_token_id=getattr(generation, "eos_token_id", None) or getattr(model.config, "eos_token_id", None),
+    own = ModelProfile(
+        eos_token_id=_first_set(getattr(generation, "eos_token_id", None), getattr(model.config, "eos_token_id", None)),
         pad_token_id=_first_set(getattr(generation, "pad_token_id", None), getattr(model.config, "pad_token_id", None)),
     )
-    return profile_for(model.config).merged_over(defaults)
+    return own.merged_over(profile_for(model.config))
 
 
 def _first_set(*values):

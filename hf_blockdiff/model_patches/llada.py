@@ -29,8 +29,8 @@ from .profiles import ModelProfile
 from .released import CompleteCheckpoint, ReleasedConfig
 
 PROFILE = ModelProfile(
-    mask_token_id=126336, attention="bidirectional", alignment="prompt_end", logit_shift=False,
-    eos_token_id=(126081, 126348),  # <|endoftext|>, <|eot_id|>
+    mask_token_id=126336, attention="bidirectional", alignment="prompt_end", logit_shift=False, block_size=32,
+    eos_token_id=(126081, 126348),  # <|endoftext|>, <|eot_id|>; block 32: the block_length of LLaDA's generate demo
 )
 
 

@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import save_file
 
-REFERENCE = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "checkpoints"
+REFERENCE = Path(__file__).resolve().parents[1] / "fixtures" / "reference"  # released SDAR files (no weights)
 SDAR_4B = REFERENCE / "SDAR-4B-Chat"
 SDAR_8B = REFERENCE / "SDAR-8B-Chat"
-needs_reference = pytest.mark.skipif(not SDAR_4B.is_dir(), reason=f"released reference files not found at {REFERENCE}")
 
 # sizes shared by the tiny models; token ids inside the tiny vocabulary
 QWEN_SIZES = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from released_checkpoints import needs_reference, random_state, sdar_moe_config, write_checkpoint
+from released_checkpoints import random_state, sdar_moe_config, write_checkpoint
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from hf_blockdiff.model_patches import FAMILIES, register_all, registered_model_types
@@ -37,7 +37,6 @@ def test_fast_dllm_block_size_is_bd_size():
     assert config.block_size == 8 and config.to_dict()["bd_size"] == 8 and "block_size" not in config.to_dict()
 
 
-@needs_reference
 def test_sdar_moe_experts_are_fused_in_the_model_and_per_expert_on_disk(tmp_path):
     config = sdar_moe_config()
     state = random_state(config)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from released_checkpoints import (dream_config, fast_dllm_config, llada_config, needs_reference, random_state,
+from released_checkpoints import (dream_config, fast_dllm_config, llada_config, random_state,
                                   sdar_config, sdar_moe_config, write_checkpoint)
 from safetensors import safe_open
 from torch_reference import block_causal, key_padding, llada_logits, qwen_logits
@@ -26,13 +26,7 @@ FAMILIES = {
     "fast_dllm": (fast_dllm_config, qwen_logits, "block_causal"),
 }
 BLOCK_CAUSAL = [name for name, (_, _, rule) in FAMILIES.items() if rule == "block_causal"]
-
-
-def _needs(name):
-    return [needs_reference] if name.startswith("sdar") else []
-
-
-FAMILY_PARAMS = [pytest.param(name, marks=_needs(name)) for name in FAMILIES]
+FAMILY_PARAMS = list(FAMILIES)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +65,7 @@ def test_loads_with_our_classes_and_profile(name, checkpoints):
     profile = profile_for(model.config)
     assert profile.attention == FAMILIES[name][2]
     assert profile.mask_token_id == config.get("mask_token_id", 151665)
-    assert profile.block_size == config.get("block_size", config.get("bd_size"))
+    assert profile.block_size == config.get("block_size", config.get("bd_size", 32 if name == "llada" else None))
 
 
 @pytest.mark.parametrize("name", FAMILY_PARAMS)
@@ -98,7 +92,7 @@ def test_padding_mask_removes_padded_keys(name, checkpoints):
     torch.testing.assert_close(logits[kept], reference[kept], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_needs(n)) for n in BLOCK_CAUSAL])
+@pytest.mark.parametrize("name", BLOCK_CAUSAL)
 def test_block_causal_window_over_cached_prefix(name, checkpoints):
     """Block-causal attention makes a prefix cache exact: prefill 2 blocks, then one window of 2 blocks."""
     _, config, _, model = checkpoints(name)

@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 
 import torch
-from released_checkpoints import SDAR_4B, SDAR_8B, needs_reference
+from released_checkpoints import SDAR_4B, SDAR_8B
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from hf_blockdiff.model_patches import profile_for
 from hf_blockdiff.model_patches.sdar import SDARConfig, SDARForCausalLM
-
-pytestmark = needs_reference
 
 
 def _meta_model(path):
