@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_blockdiff.kernels import TRITON_AVAILABLE
+
 MASK32 = 0xFFFFFFFF
 GOLDEN32 = 0x9E3779B1
 FMIX_C1 = 0x85EBCA6B
@@ -39,3 +41,32 @@ def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) ->
 
 def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -torch.log(-torch.log(uniform_noise(seed, counter, vocab_size)))
+
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    _GOLDEN32: tl.constexpr = tl.constexpr(GOLDEN32)
+    _FMIX_C1: tl.constexpr = tl.constexpr(FMIX_C1)
+    _FMIX_C2: tl.constexpr = tl.constexpr(FMIX_C2)
+
+    @triton.jit
+    def fmix32_tl(h):
+        """fmix32 on tl.uint32 values (wrapping multiplies, logical shifts)."""
+        h = h ^ (h >> 16)
+        h = h * _FMIX_C1
+        h = h ^ (h >> 13)
+        h = h * _FMIX_C2
+        return h ^ (h >> 16)
+
+    @triton.jit
+    def row_key_tl(seed, counter):
+        """row_keys for one row: int64 seed and counter scalars -> tl.uint32 key."""
+        return fmix32_tl(seed.to(tl.uint32) * _GOLDEN32 + counter.to(tl.uint32))
+
+    @triton.jit
+    def uniform_noise_tl(key, token):
+        """uniform_noise for one row's key at int32 token ids: float32 in (0, 1), bit-identical to the torch code."""
+        h = fmix32_tl(key ^ fmix32_tl(token.to(tl.uint32)))
+        return ((h >> 8).to(tl.float32) + 0.5) * (2.0**-24)
