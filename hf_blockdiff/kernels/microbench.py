@@ -1,6 +1,8 @@
 """Kernel microbenchmarks on SDAR-4B shapes: paged attention vs a dense SDPA reference vs the bandwidth bound,
-and fused scoring vs torch. `python -m hf_blockdiff.kernels.microbench` prints the table on a CUDA device;
-`run(device="cpu", small=True)` is a smoke test under TRITON_INTERPRET=1."""
+and fused scoring vs torch. triton_us and torch_us time plain calls (host overhead included), graph_us the
+Triton call replayed in a CUDA graph; bandwidth_frac = bound_us / graph_us.
+`python -m hf_blockdiff.kernels.microbench` prints the table on a CUDA device; `run(device="cpu", small=True)`
+is a smoke test under TRITON_INTERPRET=1."""
 
 import math
 import time
@@ -14,10 +16,13 @@ from hf_blockdiff.kernels.scoring import score_reference, score_triton
 HQ, HKV, HEAD_DIM, VOCAB, MASK_ID = 32, 8, 128, 151936, 151669
 
 
-def _time_ms(fn, device):
+def _time_ms(fn, device, graph=False):
+    """Median milliseconds; graph=True replays fn in a CUDA graph, leaving out the host's launch overhead."""
     if device == "cuda":
         import triton.testing
 
+        if graph:
+            return triton.testing.do_bench_cudagraph(fn, return_mode="median")
         return triton.testing.do_bench(fn, return_mode="median")
     fn()
     start = time.perf_counter()
@@ -62,14 +67,15 @@ def _bench_attention(batch, prefix, block, page_size, device, bandwidth):
     kv_bytes = 2 * batch * (prefix + block) * HKV * HEAD_DIM * 2
     io_bytes = kv_bytes + 2 * q.numel() * 2
     triton_ms = _time_ms(lambda: paged_attention(*args), device)
+    graph_ms = _time_ms(lambda: paged_attention(*args), device, graph=True)
     try:
         sdpa_ms = _time_ms(lambda: _sdpa_reference(*args), device)
     except torch.OutOfMemoryError:
         sdpa_ms = float("nan")
     return dict(
         kernel="paged_attention", batch=batch, prefix=prefix, block=block, page_size=page_size,
-        triton_us=triton_ms * 1e3, torch_us=sdpa_ms * 1e3, bound_us=io_bytes / bandwidth * 1e3,
-        bandwidth_frac=io_bytes / bandwidth / triton_ms,
+        triton_us=triton_ms * 1e3, graph_us=graph_ms * 1e3, torch_us=sdpa_ms * 1e3,
+        bound_us=io_bytes / bandwidth * 1e3, bandwidth_frac=io_bytes / bandwidth / graph_ms,
     )
 
 
@@ -79,11 +85,12 @@ def _bench_scoring(n, vocab, temperature, device, bandwidth):
     args = (logits, MASK_ID % vocab, temperature, 0, seed, seed)
     io_bytes = logits.numel() * 2
     triton_ms = _time_ms(lambda: score_triton(*args), device)
+    graph_ms = _time_ms(lambda: score_triton(*args), device, graph=True)
     torch_ms = _time_ms(lambda: score_reference(*args), device)
     return dict(
         kernel=f"scoring T={temperature}", batch=n, prefix=0, block=0, page_size=0,
-        triton_us=triton_ms * 1e3, torch_us=torch_ms * 1e3, bound_us=io_bytes / bandwidth * 1e3,
-        bandwidth_frac=io_bytes / bandwidth / triton_ms,
+        triton_us=triton_ms * 1e3, graph_us=graph_ms * 1e3, torch_us=torch_ms * 1e3,
+        bound_us=io_bytes / bandwidth * 1e3, bandwidth_frac=io_bytes / bandwidth / graph_ms,
     )
 
 
@@ -107,7 +114,8 @@ def run(device="cuda", small=False):
 
 
 def _print_table(rows):
-    cols = ["kernel", "batch", "prefix", "block", "page_size", "triton_us", "torch_us", "bound_us", "bandwidth_frac"]
+    cols = ["kernel", "batch", "prefix", "block", "page_size", "triton_us", "graph_us", "torch_us", "bound_us",
+            "bandwidth_frac"]
     print(" ".join(f"{c:>16}" for c in cols))
     for row in rows:
         print(" ".join(f"{row[c]:>16.2f}" if isinstance(row[c], float) else f"{row[c]:>16}" for c in cols))

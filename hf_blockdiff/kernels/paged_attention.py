@@ -75,10 +75,12 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
     if out.numel() == 0:
         return out
 
+    # K and V tiles of 16 KiB each, three stages deep: at most 128 KiB of shared memory with the q tile.
     block_d = max(16, triton.next_power_of_2(D))
+    row_bytes = block_d * q.element_size()
+    block_n = max(16, min(64, 16384 // row_bytes))
     rows = group * W
-    block_m = 128 if rows >= 128 and block_d <= 128 else min(64, max(16, triton.next_power_of_2(rows)))
-    block_n = 64 if block_d <= 128 else 32
+    block_m = 128 if rows >= 128 and row_bytes <= 256 else min(64, max(16, triton.next_power_of_2(rows)))
     m_tiles = triton.cdiv(rows, block_m)
     capacity = page_table.shape[1] * page_size
     splits = num_splits or _auto_splits(R * Hkv * m_tiles, capacity, q.device)
@@ -97,7 +99,7 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
         W, Hkv, split_len, scale * math.log2(math.e),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=splits > 1, DOT_PRECISION=_dot_precision(q),
-        num_warps=8 if block_m * block_d >= 128 * 128 else 4, num_stages=2,
+        num_warps=8 if block_m == 128 else 4, num_stages=3,
     )
     if splits > 1:
         _merge_splits_kernel[(R * W * Hq,)](

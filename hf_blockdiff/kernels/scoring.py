@@ -28,7 +28,9 @@ def score_reference(logits, mask_token_id, temperature, top_k, seed, counter):
         if top_k > 0:
             kth = z.topk(min(top_k, z.shape[1]), dim=1).values[:, -1:]
             z = z.masked_fill(z < kth, float("-inf"))
-        proposal = (z + gumbel_noise(seed, counter, z.shape[1]).to(z.dtype)).argmax(dim=1)
+        perturbed = z + gumbel_noise(seed, counter, z.shape[1]).to(z.dtype)
+        # u can round to 1.0, giving infinite noise: excluded tokens (-inf + inf = nan) must still lose.
+        proposal = perturbed.masked_fill(z == float("-inf"), float("-inf")).argmax(dim=1)
     else:
         proposal = z.argmax(dim=1)
     logp = torch.log_softmax(z, dim=1)
@@ -67,7 +69,7 @@ def score_triton(logits, mask_token_id, temperature, top_k, seed, counter, block
     threshold = _top_k_threshold(logits, mask_token_id, inv_temperature, top_k) if filtered else stats[0]
     _score_kernel[(N,)](
         logits, logits.stride(0), seed, counter, threshold, proposal, stats, N, V, mask_token_id, inv_temperature,
-        SAMPLE=sample, FILTER=filtered, BLOCK_V=block_v, num_warps=8,
+        SAMPLE=sample, FILTER=filtered, BLOCK_V=block_v, num_warps=max(1, min(32, block_v // 256)),
     )
     return proposal, *stats
 
@@ -125,7 +127,7 @@ if TRITON_AVAILABLE:
             t1 = tl.maximum(t1, z)
             if SAMPLE:
                 perturbed = z - tl.log(-tl.log(uniform_noise_tl(key, cols)))
-                better = perturbed > best
+                better = perturbed > best  # nan (excluded token with infinite noise) never wins
                 best = tl.where(better, perturbed, best)
                 best_i = tl.where(better, cols, best_i)
                 best_z = tl.where(better, z, best_z)

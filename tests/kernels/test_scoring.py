@@ -94,6 +94,20 @@ def test_mask_token_never_proposed(device, poisoned):
         assert (proposal != MASK_ID).all()
 
 
+def test_infinite_noise_never_picks_excluded_tokens(device, poisoned):
+    # With seed 0, uniform_noise rounds to exactly 1.0 (noise +inf) at token 5 for counter 9620923
+    # and at token 7 for counter 404185.
+    seed, counter = torch.zeros(3, dtype=torch.long, device=device), torch.tensor([9620923, 404185, 404185], device=device)
+    assert uniform_noise(seed, counter, 8)[[0, 1], [MASK_ID, 7]].tolist() == [1.0, 1.0]
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0]], device=device).repeat(3, 1)
+    top_k = 2  # keeps tokens 1 and 2 only: token 7 is filtered in rows 1 and 2
+    for out in (score_triton(logits, MASK_ID, 1.0, top_k, seed, counter), score_reference(logits, MASK_ID, 1.0, top_k, seed, counter)):
+        assert set(out[0].tolist()) <= {1, 2}
+    logits[2, 7] = 5.0  # now kept: infinite noise wins
+    for out in (score_triton(logits, MASK_ID, 1.0, top_k, seed, counter), score_reference(logits, MASK_ID, 1.0, top_k, seed, counter)):
+        assert out[0][2].item() == 7
+
+
 @pytest.mark.parametrize("top_k", [0, 3])
 def test_sampling_frequencies_follow_softmax(top_k, device):
     V, N, temperature = 8, 1500, 0.9
