@@ -18,7 +18,8 @@ def _inverse_temperature(temperature):
 
 
 def score_reference(logits, mask_token_id, temperature, top_k, seed, counter):
-    """Plain torch scoring of logits [N, V] (fp64 logits are scored in fp64).
+    """Plain torch scoring of logits [N, V] (fp64 logits are scored in fp64); seed, counter int64 [N]
+    (unused, may be None, when temperature == 0).
 
     Returns (proposal int64, confidence, entropy, margin, logprob), each [N]."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)).clone()

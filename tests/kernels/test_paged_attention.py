@@ -57,17 +57,19 @@ def check(limits, Hkv, group, head_dim, page_size, dtype, device, assert_close, 
 
 
 CASES = [
-    (group, page_size, dtype, (64, 128)[i % 2], 1 + i % 4, (4, 8)[i // 4 % 2])
+    (i, group, page_size, dtype, (64, 128)[i % 2], 1 + i % 4, (4, 8)[i // 4 % 2])
     for i, (group, page_size, dtype) in enumerate(itertools.product([1, 2, 4], [16, 32, 64], DTYPES))
 ]
 
 
-@pytest.mark.parametrize("group,page_size,dtype,head_dim,num_blocks,block", CASES)
-def test_ragged_block_causal_windows(group, page_size, dtype, head_dim, num_blocks, block, device, assert_close, poisoned):
+@pytest.mark.parametrize("seed,group,page_size,dtype,head_dim,num_blocks,block", CASES)
+def test_ragged_block_causal_windows(
+    seed, group, page_size, dtype, head_dim, num_blocks, block, device, assert_close, poisoned
+):
     # Rows: long prefix, no prefix, inactive (all limits 0), prefix ending mid-page.
     limits = window_limits([70, 0, 0, 37], block, num_blocks)
     limits[2] = 0
-    check(limits, 2, group, head_dim, page_size, dtype, device, assert_close, seed=len(CASES) * block + num_blocks)
+    check(limits, 2, group, head_dim, page_size, dtype, device, assert_close, seed=seed)
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
