@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.rng import gumbel_noise
-from .kernels.scoring import distribution_scores, score_reference, top_k_filter
+from .kernels.scoring import distribution_scores, gumbel_argmax, inverse_temperature, score_reference, top_k_filter
 
 
 @dataclass
@@ -61,17 +60,19 @@ def score_logits(
     dtype = torch.float64 if params.precision == "float64" else torch.float32
     raw = logits.to(dtype).clone()
     raw[:, params.mask_token_id] = float("-inf")
-    tempered = raw / (temperature[:, None] if temperature is not None else params.temperature) if sampling else raw
+    if not sampling:
+        proposal = raw.argmax(dim=-1)
+        return Scores(proposal, *distribution_scores(raw, proposal))
+    inverse = 1.0 / temperature.float()[:, None] if temperature is not None else inverse_temperature(params.temperature)
+    tempered = raw * inverse
     drawn = tempered
-    if sampling and params.top_k > 0:
+    if params.top_k > 0:
         drawn = top_k_filter(drawn, params.top_k)
-    if sampling and params.top_p < 1.0:
+    if params.top_p < 1.0:
         drawn = top_p_filter(drawn, params.top_p)
-    if sampling:
-        proposal = torch.argmax(drawn + gumbel_noise(seed, counter, drawn.shape[-1]).to(dtype), dim=-1)
-    else:
-        proposal = torch.argmax(drawn, dim=-1)
-    confidence, _, _, logprob = distribution_scores(drawn, proposal)
-    reported = {"filtered": drawn, "unfiltered": tempered, "raw": raw}[params.confidence]
-    confidence, entropy, margin, _ = distribution_scores(reported, proposal)
-    return Scores(proposal, confidence, entropy, margin, logprob)
+    proposal = gumbel_argmax(drawn, seed, counter)
+    scores = Scores(proposal, *distribution_scores(drawn, proposal))
+    if params.confidence != "filtered":
+        reported = tempered if params.confidence == "unfiltered" else raw
+        scores.confidence, scores.entropy, scores.margin, _ = distribution_scores(reported, proposal)
+    return scores

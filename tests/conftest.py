@@ -1,6 +1,12 @@
-import pytest
+import os
 
-from helpers import tiny_model
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter; set before any kernel is defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers import tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,2 +1,14 @@
 """Compute kernels. Each Triton kernel has a plain-torch reference beside it; nothing here imports the rest of
-hf_blockdiff."""
+hf_blockdiff. Triton is optional: every module imports without it, and the torch references work without it."""
+
+try:
+    import triton  # noqa: F401
+
+    TRITON_AVAILABLE = True
+except ImportError:
+    TRITON_AVAILABLE = False
+
+
+def require_triton(what: str) -> None:
+    if not TRITON_AVAILABLE:
+        raise RuntimeError(f"{what} needs Triton; install it with `pip install triton` or use the torch reference")

@@ -1,13 +1,16 @@
 """Counter-based noise for Gumbel-max sampling, identical in torch and in the Triton scoring kernel.
 
-u(seed, counter, token) = (fmix32(key ^ fmix32(token)) >> 8 + 0.5) / 2**24 with key = fmix32(seed * φ + counter),
+u(seed, counter, token) = (fmix32(key ^ fmix32(token)) >> 9 + 0.5) / 2**23 with key = fmix32(seed * φ + counter),
 all arithmetic mod 2**32 (fmix32 is MurmurHash3's finalizer). A row's noise depends only on its own seed and
-counters, so other rows in a batch never change it, and no generator state is advanced inside a step.
+counters, so other rows in a batch never change it, and no generator state is advanced inside a step. 23 bits
+keep every u exact in float32 and strictly inside (0, 1) (from 2**-24 to 1 - 2**-24), so the noise is finite.
 """
 
 from __future__ import annotations
 
 import torch
+
+from hf_blockdiff.kernels import TRITON_AVAILABLE
 
 MASK32 = 0xFFFFFFFF
 GOLDEN32 = 0x9E3779B1
@@ -34,8 +37,37 @@ def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) ->
     key = row_keys(seed.long(), counter.long())
     token_hash = fmix32(torch.arange(vocab_size, device=seed.device, dtype=torch.long))
     h = fmix32(key[:, None] ^ token_hash[None, :])
-    return ((h >> 8).to(torch.float32) + 0.5) * (2.0**-24)
+    return ((h >> 9).to(torch.float32) + 0.5) * (2.0**-23)
 
 
 def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -torch.log(-torch.log(uniform_noise(seed, counter, vocab_size)))
+
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    _GOLDEN32: tl.constexpr = tl.constexpr(GOLDEN32)
+    _FMIX_C1: tl.constexpr = tl.constexpr(FMIX_C1)
+    _FMIX_C2: tl.constexpr = tl.constexpr(FMIX_C2)
+
+    @triton.jit
+    def fmix32_tl(h):
+        """fmix32 on tl.uint32 values (wrapping multiplies, logical shifts)."""
+        h = h ^ (h >> 16)
+        h = h * _FMIX_C1
+        h = h ^ (h >> 13)
+        h = h * _FMIX_C2
+        return h ^ (h >> 16)
+
+    @triton.jit
+    def row_key_tl(seed, counter):
+        """row_keys for one row: int64 seed and counter scalars -> tl.uint32 key."""
+        return fmix32_tl(seed.to(tl.uint32) * _GOLDEN32 + counter.to(tl.uint32))
+
+    @triton.jit
+    def uniform_noise_tl(key, token):
+        """uniform_noise for one row's key at int32 token ids: float32 in (0, 1), bit-identical to the torch code."""
+        h = fmix32_tl(key ^ fmix32_tl(token.to(tl.uint32)))
+        return ((h >> 9).to(tl.float32) + 0.5) * (2.0**-23)

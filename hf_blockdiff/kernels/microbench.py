@@ -1,0 +1,125 @@
+"""Kernel microbenchmarks on SDAR-4B shapes: paged attention vs a dense SDPA reference vs the bandwidth bound,
+and fused scoring vs torch. triton_us and torch_us time plain calls (host overhead included), graph_us the
+Triton call replayed in a CUDA graph; bandwidth_frac = bound_us / graph_us.
+`python -m hf_blockdiff.kernels.microbench` prints the table on a CUDA device; `run(device="cpu", small=True)`
+is a smoke test under TRITON_INTERPRET=1."""
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from hf_blockdiff.kernels.paged_attention import paged_attention
+from hf_blockdiff.kernels.scoring import score_reference, score_triton
+
+HQ, HKV, HEAD_DIM, VOCAB, MASK_ID = 32, 8, 128, 151936, 151669
+
+
+def _time_ms(fn, device, graph=False):
+    """Median milliseconds; graph=True replays fn in a CUDA graph, leaving out the host's launch overhead."""
+    if device == "cuda":
+        import triton.testing
+
+        if graph:
+            return triton.testing.do_bench_cudagraph(fn, return_mode="median")
+        return triton.testing.do_bench(fn, return_mode="median")
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _bandwidth(device, nbytes):
+    """Bytes per millisecond of a device-to-device copy, counting bytes read and written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _time_ms(lambda: dst.copy_(src), device)
+
+
+def _paged_inputs(batch, prefix, block, page_size, device):
+    length = prefix + block
+    pages_per_row = math.ceil(length / page_size)
+    pool = (batch * pages_per_row, page_size, HKV, HEAD_DIM)
+    k_pages = torch.randn(pool, device=device, dtype=torch.bfloat16)
+    v_pages = torch.randn(pool, device=device, dtype=torch.bfloat16)
+    page_table = torch.randperm(batch * pages_per_row, device=device).view(batch, pages_per_row).int()
+    q = torch.randn(batch, block, HQ, HEAD_DIM, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    q_limit = torch.full((batch, block), length, device=device, dtype=torch.int32)
+    return q, k_pages, v_pages, page_table, q_limit
+
+
+def _sdpa_reference(q, k_pages, v_pages, page_table, q_limit, scale):
+    """What the sdpa backend does: gather pages into dense K/V, build a bool mask, call SDPA with GQA."""
+    length = int(q_limit.max())
+    page_size = k_pages.shape[1]
+    pos = torch.arange(length, device=q.device)
+    pages = page_table[:, pos // page_size].long()
+    k = k_pages[pages, pos % page_size].transpose(1, 2)
+    v = v_pages[pages, pos % page_size].transpose(1, 2)
+    mask = (pos[None, :] < q_limit[:, :, None])[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def _bench_attention(batch, prefix, block, page_size, device, bandwidth):
+    q, k_pages, v_pages, page_table, q_limit = _paged_inputs(batch, prefix, block, page_size, device)
+    args = (q, k_pages, v_pages, page_table, q_limit, HEAD_DIM**-0.5)
+    kv_bytes = 2 * batch * (prefix + block) * HKV * HEAD_DIM * 2
+    io_bytes = kv_bytes + 2 * q.numel() * 2
+    triton_ms = _time_ms(lambda: paged_attention(*args), device)
+    graph_ms = _time_ms(lambda: paged_attention(*args), device, graph=True)
+    try:
+        sdpa_ms = _time_ms(lambda: _sdpa_reference(*args), device)
+    except torch.OutOfMemoryError:
+        sdpa_ms = float("nan")
+    return dict(
+        kernel="paged_attention", batch=batch, prefix=prefix, block=block, page_size=page_size,
+        triton_us=triton_ms * 1e3, graph_us=graph_ms * 1e3, torch_us=sdpa_ms * 1e3,
+        bound_us=io_bytes / bandwidth * 1e3, bandwidth_frac=io_bytes / bandwidth / graph_ms,
+    )
+
+
+def _bench_scoring(n, vocab, temperature, device, bandwidth):
+    logits = torch.randn(n, vocab, device=device, dtype=torch.bfloat16) * 3
+    seed = torch.arange(n, device=device)
+    args = (logits, MASK_ID % vocab, temperature, 0, seed, seed)
+    io_bytes = logits.numel() * 2
+    triton_ms = _time_ms(lambda: score_triton(*args), device)
+    graph_ms = _time_ms(lambda: score_triton(*args), device, graph=True)
+    torch_ms = _time_ms(lambda: score_reference(*args), device)
+    return dict(
+        kernel=f"scoring T={temperature}", batch=n, prefix=0, block=0, page_size=0,
+        triton_us=triton_ms * 1e3, graph_us=graph_ms * 1e3, torch_us=torch_ms * 1e3,
+        bound_us=io_bytes / bandwidth * 1e3, bandwidth_frac=io_bytes / bandwidth / graph_ms,
+    )
+
+
+def run(device="cuda", small=False):
+    """Benchmark rows as dicts; `small` shrinks every shape so the interpreter can run it."""
+    bandwidth = _bandwidth(device, 2**20 if small else 2**30)
+    prefixes, batches, pages = ([32], [2], [16]) if small else ([512, 2048, 8192], [1, 32, 128], [64])
+    rows = []
+    for prefix in prefixes:
+        for batch in batches:
+            for block in (4, 32):
+                for page_size in pages:
+                    rows.append(_bench_attention(batch, prefix, block, page_size, device, bandwidth))
+    if not small:
+        for page_size in (16, 128):
+            rows.append(_bench_attention(32, 2048, 4, page_size, device, bandwidth))
+    for n in [2] if small else [4, 128, 512]:
+        for temperature in (0.0, 1.0):
+            rows.append(_bench_scoring(n, 1000 if small else VOCAB, temperature, device, bandwidth))
+    return rows
+
+
+def _print_table(rows):
+    cols = ["kernel", "batch", "prefix", "block", "page_size", "triton_us", "graph_us", "torch_us", "bound_us",
+            "bandwidth_frac"]
+    print(" ".join(f"{c:>16}" for c in cols))
+    for row in rows:
+        print(" ".join(f"{row[c]:>16.2f}" if isinstance(row[c], float) else f"{row[c]:>16}" for c in cols))
+
+
+if __name__ == "__main__":
+    _print_table(run())

@@ -1,0 +1,110 @@
+import itertools
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hf_blockdiff.kernels.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def make_inputs(limits, Hkv, group, head_dim, page_size, dtype, device, seed):
+    """Random q and a shuffled page pool holding each row's keys [0, max limit).
+
+    Pages no row owns and slots past a row's last key are NaN, and page-table entries past a row's last page
+    are out-of-range garbage, so any read the kernel must not make shows up in the output."""
+    gen = torch.Generator(device).manual_seed(seed)
+    R, W = limits.shape
+    row_pages = [math.ceil(int(n) / page_size) for n in limits.amax(dim=1)] if W else [0] * R
+    width = max(row_pages, default=0) + 2
+    num_pages = sum(row_pages) + 3
+    perm = torch.randperm(num_pages, generator=gen, device=device)
+    garbage = torch.randint(num_pages, num_pages + 10_000, (R, width), generator=gen, device=device)
+    page_table = torch.where(torch.rand(R, width, generator=gen, device=device) < 0.5, garbage, -garbage)
+    k_pages = torch.full((num_pages, page_size, Hkv, head_dim), float("nan"), device=device)
+    v_pages = torch.full_like(k_pages, float("nan"))
+    used = 0
+    for r, n_pages in enumerate(row_pages):
+        pages = perm[used : used + n_pages]
+        used += n_pages
+        page_table[r, :n_pages] = pages
+        slots = (torch.arange(n_pages * page_size, device=device) < int(limits[r].max()))[:, None, None]
+        for store in (k_pages, v_pages):
+            data = torch.randn(n_pages * page_size, Hkv, head_dim, generator=gen, device=device)
+            store[pages] = torch.where(slots, data, float("nan")).view(n_pages, page_size, Hkv, head_dim)
+    # HF hands attention q as a transposed view of [R, W, Hq, D].
+    q = torch.randn(R, W, Hkv * group, head_dim, generator=gen, device=device).transpose(1, 2)
+    return q.to(dtype), k_pages.to(dtype), v_pages.to(dtype), page_table.int(), limits.int().to(device)
+
+
+def window_limits(prefixes, block, num_blocks):
+    """Per-query limits of a block-causal window of num_blocks blocks after each row's cached prefix."""
+    steps = (torch.arange(block * num_blocks) // block + 1) * block
+    return torch.tensor(prefixes)[:, None] + steps[None, :]
+
+
+def check(limits, Hkv, group, head_dim, page_size, dtype, device, assert_close, seed, num_splits=None):
+    q, k, v, pt, lim = make_inputs(limits, Hkv, group, head_dim, page_size, dtype, device, seed)
+    scale = head_dim**-0.5
+    out = paged_attention(q, k, v, pt, lim, scale, num_splits=num_splits)
+    ref = paged_attention_reference(q.double(), k.double(), v.double(), pt, lim, scale)
+    assert out.shape == (q.shape[0], q.shape[2], q.shape[1], head_dim) and out.dtype == dtype and out.is_contiguous()
+    assert (out[lim == 0] == 0).all()
+    assert_close(out, ref, dtype)
+
+
+CASES = [
+    (i, group, page_size, dtype, (64, 128)[i % 2], 1 + i % 4, (4, 8)[i // 4 % 2])
+    for i, (group, page_size, dtype) in enumerate(itertools.product([1, 2, 4], [16, 32, 64], DTYPES))
+]
+
+
+@pytest.mark.parametrize("seed,group,page_size,dtype,head_dim,num_blocks,block", CASES)
+def test_ragged_block_causal_windows(
+    seed, group, page_size, dtype, head_dim, num_blocks, block, device, assert_close, poisoned
+):
+    # Rows: long prefix, no prefix, inactive (all limits 0), prefix ending mid-page.
+    limits = window_limits([70, 0, 0, 37], block, num_blocks)
+    limits[2] = 0
+    check(limits, 2, group, head_dim, page_size, dtype, device, assert_close, seed=seed)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_keys(num_splits, dtype, device, assert_close, poisoned):
+    limits = window_limits([300, 5, 0], 4, 2)
+    limits[2] = 0
+    check(limits, 2, 4, 64, 32, dtype, device, assert_close, seed=num_splits, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("group,length", [(1, 80), (2, 50), (4, 37)])
+def test_staircase_prefill(group, length, device, assert_close, poisoned):
+    # W = prompt length: block-causal in blocks of 4 from position 0, last block cut at the prompt end.
+    steps = ((torch.arange(length) // 4 + 1) * 4).clamp(max=length)
+    limits = torch.stack([steps, torch.full((length,), length)])  # row 1 is bidirectional
+    check(limits, 2, group, 64, 16, torch.bfloat16, device, assert_close, seed=length)
+
+
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_padded_and_large_head_dims(head_dim, device, assert_close, poisoned):
+    check(window_limits([40, 3], 4, 2), 1, 2, head_dim, 16, torch.float32, device, assert_close, seed=head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_single_query_decode(dtype, device, assert_close, poisoned):
+    check(torch.tensor([[1], [77], [0], [16]]), 2, 4, 128, 16, dtype, device, assert_close, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,page_size,block", [(4, 16, 4), (32, 64, 4), (64, 256, 32), (4, 128, 32), (32, 32, 32)])
+def test_large_shapes_gpu(batch, page_size, block, assert_close):
+    gen = torch.Generator().manual_seed(batch + page_size)
+    for num_blocks in range(1, 5):
+        prefixes = torch.randint(0, 8193, (batch,), generator=gen)
+        prefixes[0] = 0
+        prefixes[-1] = 8192
+        limits = window_limits(prefixes.tolist(), block, num_blocks)
+        check(limits, 8, 4, 128, page_size, torch.bfloat16, "cuda", assert_close, seed=num_blocks)
