@@ -7,6 +7,7 @@ generation the model's own implementation is untouched.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
@@ -14,21 +15,35 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from .cache import ForwardPlan
+from .kernels import TRITON_AVAILABLE
+from .kernels.paged_attention import paged_attention
 
 ATTENTION_NAME = "hf_blockdiff"
+HOW_TO_GET = {
+    "triton": "install triton (`pip install triton`; CUDA builds of torch bundle it); on CPU it runs only under "
+    "TRITON_INTERPRET=1, for testing",
+    "flash_attn": "install flash-attn (`pip install hf-blockdiff[flash]`)",
+    "flex": "use torch >= 2.5 on a CUDA device",
+}
 
 
 def available_backends(device: torch.device) -> tuple[str, ...]:
-    return ("sdpa",)
+    """Exact backends usable on `device`, slowest first."""
+    backends = ["sdpa"]
+    if TRITON_AVAILABLE and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        backends.append("triton")
+    return tuple(backends)
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
+    """The backend to run: `auto` picks the fastest exact one available (sdpa on CPU)."""
     available = available_backends(device)
     if requested == "auto":
-        return available[-1]
+        return available[-1] if device.type == "cuda" else "sdpa"
     if requested not in available:
         raise ValueError(
-            f"attention_backend={requested!r} is not available on {device.type} (available: {', '.join(available)})."
+            f"attention_backend={requested!r} is not available on {device.type}: {HOW_TO_GET[requested]} "
+            f"(available here: {', '.join(available)})."
         )
     return requested
 
@@ -44,9 +59,14 @@ def blockdiff_attention_forward(
     blockdiff_plan: ForwardPlan | None = None,
     **kwargs,
 ):
-    if blockdiff_plan is None:
+    plan = blockdiff_plan
+    if plan is None:
         raise RuntimeError("The hf_blockdiff attention runs only inside generate_multi_block.")
-    mask = blockdiff_plan.dense_mask(key.shape[2])
+    if plan.backend == "triton":
+        cache, layer = plan.cache, module.layer_idx
+        out = paged_attention(query, cache.keys[layer], cache.values[layer], plan.page_table, plan.q_limit, scaling)
+        return out, None
+    mask = plan.dense_mask(key.shape[2])
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
     )

@@ -28,10 +28,10 @@ class ForwardPlan:
 
     q_limit: torch.Tensor  # [R, W] int32
     backend: str
-    cache: "PagedBlockCache | None" = None
-    rows: torch.Tensor | None = None  # [R] cache rows of the window rows
-    write_slots: torch.Tensor | None = None  # [R * W] flat page-pool slots of the window positions
-    read_slots: torch.Tensor | None = None  # [R, Lk] slots of the dense key range (sdpa through the cache)
+    cache: "PagedBlockCache"
+    page_table: torch.Tensor  # [R, pages] int32 page tables of the window rows
+    write_slots: torch.Tensor  # [R * W] flat page-pool slots of the window positions
+    read_slots: torch.Tensor | None = None  # [R, Lk] slots of the dense key range (sdpa)
     _dense_mask: torch.Tensor | None = field(default=None, repr=False)
 
     def dense_mask(self, key_length: int) -> torch.Tensor:
@@ -104,7 +104,7 @@ class PagedBlockCache(Cache):
         """Plan a forward of a window that starts at each row's committed length; `valid` marks real positions."""
         width = q_limit.shape[1]
         positions = self.committed[rows][:, None] + torch.arange(width, device=q_limit.device)
-        plan = ForwardPlan(q_limit, backend, self, rows, self.slots(rows, positions, valid).reshape(-1))
+        plan = ForwardPlan(q_limit, backend, self, self.page_table[rows], self.slots(rows, positions, valid).reshape(-1))
         if backend == "sdpa":
             key_length = int(q_limit.max())
             key_positions = torch.arange(key_length, device=q_limit.device).expand(len(rows), key_length)

@@ -1,7 +1,7 @@
 """Scores of the positions a step decides: logits → proposal, confidence, entropy, margin, log-prob (DESIGN §5).
 
-Greedy and plain temperature/top-k sampling with the default confidence go through the fused scoring kernel's
-semantics (`kernels.scoring`); top-p, per-position temperatures, other confidence sources and float64 scoring take
+Greedy and plain temperature/top-k sampling with the default confidence go through the fused scoring kernel on CUDA
+(its torch reference elsewhere: `kernels.scoring`); top-p, per-position temperatures, other confidence sources and float64 scoring take
 the general torch path built from the same pieces.
 """
 
@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.scoring import distribution_scores, gumbel_argmax, inverse_temperature, score_reference, top_k_filter
+from .kernels import TRITON_AVAILABLE
+from .kernels.scoring import (distribution_scores, gumbel_argmax, inverse_temperature, score_reference, score_triton,
+                              top_k_filter)
 
 
 @dataclass
@@ -56,7 +58,8 @@ def score_logits(
     sampling = params.temperature > 0
     simple = temperature is None and params.top_p >= 1.0 and params.confidence == "filtered"
     if simple and params.precision == "float32":
-        return Scores(*score_reference(logits, params.mask_token_id, params.temperature, params.top_k, seed, counter))
+        fused = score_triton if logits.is_cuda and TRITON_AVAILABLE else score_reference
+        return Scores(*fused(logits, params.mask_token_id, params.temperature, params.top_k, seed, counter))
     dtype = torch.float64 if params.precision == "float64" else torch.float32
     raw = logits.to(dtype).clone()
     raw[:, params.mask_token_id] = float("-inf")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import blockdiff_attention
-from ..cache import ForwardPlan, PagedBlockCache
+from ..cache import PagedBlockCache
 from ..config import BlockDiffusionConfig
 from .decide import Decider
 from .state import BlockStatus, DecodeState
@@ -35,7 +35,8 @@ class Decoder:
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         self.decider = Decider(cfg, model.get_output_embeddings(), seeds)
         self.causal = cfg.attention == "block_causal"
-        self.cache = self._cache() if self.causal or cfg.approx_cache != "none" else None
+        self.guided = cfg.cfg_scale > 0
+        self.cache = self._cache()
         self.num_forwards = 0
         self.carry = None  # hidden state at each row's last committed position (logit shift)
         self.stop_ids = torch.tensor(cfg.stop_ids, dtype=torch.long, device=state.canvas.device)
@@ -46,7 +47,8 @@ class Decoder:
         if cache is None or cache.page_size != self.cfg.page_size or cache.num_layers != layers:
             cache = PagedBlockCache(layers, self.cfg.page_size)
             self.model._blockdiff_cache = cache
-        cache.start(self.state.geometry.row_end.tolist(), self.state.canvas.device)
+        row_tokens = self.state.geometry.row_end.tolist()
+        cache.start(row_tokens * 2 if self.guided else row_tokens, self.state.canvas.device)  # guidance: own rows
         return cache
 
     # -- forwards --------------------------------------------------------------------------------------------------
@@ -57,21 +59,19 @@ class Decoder:
         width = q_limit.shape[1]
         positions = (start[:, None] + torch.arange(width, device=start.device)).clamp(max=self.state.canvas.shape[1] - 1)
         tokens = self.state.canvas[rows[:, None], positions]
-        guided = self.cfg.cfg_scale > 0
-        if guided:
+        valid = window.valid
+        if self.guided:  # the unconditional canvases (prompt masked) run beside, in cache rows of their own
             prompt = positions < self.state.geometry.prompt_len[rows][:, None]
             tokens = torch.cat([tokens, tokens.masked_fill(prompt, self.cfg.mask_token_id)])
-            positions, q_limit = positions.repeat(2, 1), q_limit.repeat(2, 1)
-        if self.cache is not None:
-            plan = self.cache.plan_forward(rows, q_limit, window.valid, self.backend)
-        else:
-            plan = ForwardPlan(q_limit, self.backend)
+            rows = torch.cat([rows, rows + self.state.num_rows])
+            positions, q_limit, valid = positions.repeat(2, 1), q_limit.repeat(2, 1), valid.repeat(2, 1)
+        plan = self.cache.plan_forward(rows, q_limit, valid, self.backend)
         with blockdiff_attention(self.model):
-            out = self.decoder(input_ids=tokens, position_ids=positions, past_key_values=self.cache,
-                               use_cache=self.cache is not None, blockdiff_plan=plan)
+            out = self.decoder(input_ids=tokens, position_ids=positions, past_key_values=self.cache, use_cache=True,
+                               blockdiff_plan=plan)
         self.num_forwards += 1
         hidden = out.last_hidden_state
-        return hidden.chunk(2) if guided else (hidden, None)
+        return hidden.chunk(2) if self.guided else (hidden, None)
 
     def prefill(self) -> None:
         """Write the prefix before each row's first decode block into the cache (block-causal models only)."""
@@ -151,7 +151,7 @@ class Decoder:
             last = state.added[rows] if self.cfg.fused_store else torch.where(store > 0, first + store, state.added[rows])
             start = geo.first_block_start[rows] + first * size
             width = geo.block_end(rows, last - 1) - start
-        elif self.cache is None:  # full recompute of the canvas
+        elif self.cfg.approx_cache == "none":  # full recompute of the canvas
             start, width = torch.zeros_like(rows), geo.row_end[rows]
         else:  # Fast-dLLM v1: a full forward at each block start, then the block (dual) or block + suffix (prefix)
             block = state.added[rows] - 1
