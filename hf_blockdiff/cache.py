@@ -100,16 +100,15 @@ class PagedBlockCache(Cache):
         slots = pages * self.page_size + positions % self.page_size
         return torch.where(valid, slots, SCRATCH_PAGE * self.page_size)
 
-    def plan_forward(self, rows: torch.Tensor, q_limit: torch.Tensor, valid: torch.Tensor, backend: str) -> ForwardPlan:
-        """Plan a forward of a window that starts at each row's committed length; `valid` marks real positions."""
-        width = q_limit.shape[1]
-        positions = self.committed[rows][:, None] + torch.arange(width, device=q_limit.device)
+    def plan_forward(self, rows: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, q_limit: torch.Tensor,
+                     backend: str) -> ForwardPlan:
+        """Plan a forward whose batch row i holds the tokens at `positions[i]` of cache row `rows[i]`; `valid` marks
+        real tokens. Their K/V are written ahead into the rows' pages, where every query reads its keys from."""
         plan = ForwardPlan(q_limit, backend, self, self.page_table[rows], self.slots(rows, positions, valid).reshape(-1))
         if backend == "sdpa":
-            key_length = int(q_limit.max())
+            key_length = max(int(q_limit.max()), 1)
             key_positions = torch.arange(key_length, device=q_limit.device).expand(len(rows), key_length)
-            key_valid = key_positions < q_limit.max(dim=1, keepdim=True).values
-            plan.read_slots = self.slots(rows, key_positions, key_valid)
+            plan.read_slots = self.slots(rows, key_positions, key_positions < q_limit.max(dim=1, keepdim=True).values)
         self.plan = plan
         return plan
 

@@ -41,7 +41,8 @@ class BlockDiffusionConfig:
     row ends once the block holding its first stop token is complete.
     fused_store: store a finished block's K/V in the next block's first forward (token-identical, fewer forwards).
     attention_backend: "auto", "sdpa", "triton", "flash_attn" or "flex".
-    page_size: tokens per KV-cache page.
+    page_size: tokens per KV-cache page. max_cache_tokens: KV-cache capacity in tokens (default: 80 % of the free GPU
+    memory on CUDA, unbounded on CPU); it limits how many prompts decode at once.
 
     Sampling controls: repetition_penalty (transformers semantics, over the row's decided tokens),
     pos_temp_slope (T_i = T·(1 + slope·i/(B−1)) for position i of a block), confidence ("filtered": probability
@@ -82,6 +83,7 @@ class BlockDiffusionConfig:
     fused_store: bool = True
     attention_backend: str = "auto"
     page_size: int = 64
+    max_cache_tokens: int | None = None
     repetition_penalty: float = 1.0
     pos_temp_slope: float = 0.0
     confidence: str = "filtered"
@@ -104,7 +106,8 @@ class BlockDiffusionConfig:
         self._validate()
 
     def _validate(self) -> None:
-        for name in ("block_size", "steps_per_block", "max_new_tokens", "max_active_blocks", "page_size"):
+        for name in ("block_size", "steps_per_block", "max_new_tokens", "max_active_blocks", "page_size",
+                     "max_cache_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 _fail(name, value, "pass a positive integer")

@@ -36,5 +36,5 @@ def patch_known_classes() -> None:
 
 def free_cache(model) -> None:
     """Release the KV-cache pages (and anything else generation keeps on `model`) so training gets the memory back."""
-    if hasattr(model, "_blockdiff_cache"):
-        del model._blockdiff_cache
+    if getattr(model, "_blockdiff_engine", None) is not None:
+        model._blockdiff_engine = None

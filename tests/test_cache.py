@@ -10,7 +10,7 @@ from helpers import MASK, left_pad, random_prompts
 
 
 def committed_kv(model, row: int, length: int):
-    cache = model._blockdiff_cache
+    cache = model._blockdiff_engine.cache
     positions = torch.arange(length)[None]
     slots = cache.slots(torch.tensor([row]), positions, torch.ones_like(positions, dtype=torch.bool))
     return [cache.dense(layer, slots) for layer in range(cache.num_layers)]
@@ -32,7 +32,7 @@ def test_committed_kv_equal_a_fresh_forward(qwen3, alignment, fused):
     cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=block, max_new_tokens=new, threshold=0.6,
                                attention="block_causal", alignment=alignment, fused_store=fused, eos_token_id=[])
     out = qwen3.generate_multi_block(ids, cfg, attention_mask=mask)
-    committed = qwen3._blockdiff_cache.committed.tolist()
+    committed = qwen3._blockdiff_engine.cache.committed.tolist()
     for row, prompt in enumerate(prompts):
         p = len(prompt)
         final = torch.cat([prompt, out[row, ids.shape[1]:]])
@@ -51,10 +51,10 @@ def test_pages_are_reused_across_calls(qwen3):
     cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, attention="block_causal",
                                eos_token_id=[])
     first = qwen3.generate_multi_block(ids, cfg, attention_mask=mask)
-    cache = qwen3._blockdiff_cache
+    cache = qwen3._blockdiff_engine.cache
     pool = cache.keys[0]
     second = qwen3.generate_multi_block(ids, cfg, attention_mask=mask)
-    assert qwen3._blockdiff_cache is cache and cache.keys[0] is pool
+    assert qwen3._blockdiff_engine.cache is cache and cache.keys[0] is pool
     assert torch.equal(first, second)
 
 
@@ -79,4 +79,4 @@ def test_write_ahead_does_not_move_the_pointer(qwen3):
     cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=4, attention="block_causal",
                                fused_store=False, eos_token_id=[])
     qwen3.generate_multi_block(ids, cfg, attention_mask=mask)
-    assert qwen3._blockdiff_cache.committed.tolist() == [12]  # prompt 8 + one stored block of 4
+    assert qwen3._blockdiff_engine.cache.committed.tolist() == [12]  # prompt 8 + one stored block of 4

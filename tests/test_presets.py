@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_blockdiff import BlockDiffusionConfig
-from hf_blockdiff.generation.mixin import _row_seeds
+from hf_blockdiff.generation.runner import request_seeds
 from hf_blockdiff.kernels.rng import gumbel_noise
 from reference_loops import llada_reference, multi_block_reference, sdar_reference
 from reference_presets import dream_reference, fast_dllm_reference, fast_dllm_v2_reference
@@ -54,7 +54,7 @@ def test_llada_preset_greedy(qwen3, remasking):
 
 
 def llada_noise(seed: int):
-    seeds = _row_seeds(1, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    seeds = request_seeds(1, torch.Generator().manual_seed(seed))
 
     def noise(position, draw):
         return gumbel_noise(seeds, torch.tensor([position * 65599 + draw]), 96)[0]

@@ -1,12 +1,14 @@
-"""One step's decision: hidden states of the active blocks → logits → scores → strategy → canvas.
+"""One step's decision: hidden states → logits → scores → strategy → canvas, on fixed shapes.
 
-Only masked positions of active blocks reach the LM head (selective logits). Everything is batched over the
-active blocks of all rows; a row's randomness depends only on its own seed and counters.
+The active blocks of every slot are laid out as `[slots, K, B]` (K = max active blocks). The LM head runs on the
+undecided positions of active blocks only, gathered into `capacity` rows (all of them when `capacity` is None, a
+fixed count inside a CUDA graph). A slot's randomness depends only on its own seed and counters.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -19,13 +21,16 @@ from .state import BlockStatus, DecodeState
 
 @dataclass
 class ActiveBlocks:
-    """The blocks a step decides, one row each ([NB] / [NB, B])."""
+    """Each slot's active blocks in order, [R, K] (`valid` False past the last one), and their positions."""
 
-    rows: torch.Tensor  # canvas row of each block
-    window_rows: torch.Tensor  # its row in the forward's batch
-    blocks: torch.Tensor  # decode-block index
-    positions: torch.Tensor  # [NB, B] canvas positions
-    candidates: torch.Tensor  # [NB, B] masked positions the strategy may commit
+    blocks: torch.Tensor  # [R, K] decode-block index (clamped)
+    valid: torch.Tensor  # [R, K]
+    positions: torch.Tensor  # [R, K, B]
+    candidates: torch.Tensor  # [R, K, B] undecided positions the strategy may commit
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return torch.arange(self.blocks.shape[0], device=self.blocks.device)[:, None].expand_as(self.blocks)
 
 
 class Decider:
@@ -40,34 +45,52 @@ class Decider:
         self.sampling = SamplingParams(cfg.mask_token_id, cfg.temperature, cfg.top_k, cfg.top_p, cfg.confidence,
                                        cfg.score_precision)
 
-    def active_blocks(self, state: DecodeState, status: BlockStatus, rows: torch.Tensor,
-                      active: torch.Tensor) -> ActiveBlocks:
-        window_rows, blocks = torch.nonzero(active, as_tuple=True)
-        block_rows = rows[window_rows]
-        candidates = status.masked[block_rows, blocks]
+    def active_blocks(self, state: DecodeState, status: BlockStatus, active: torch.Tensor, k: int) -> ActiveBlocks:
+        never = active.shape[1]
+        blocks = torch.sort(torch.where(active, state.block_index, never), dim=1).values[:, :k]
+        valid = blocks < never
+        blocks = blocks.clamp(max=never - 1)
+        rows = torch.arange(len(blocks), device=blocks.device)[:, None]
+        candidates = status.masked[rows, blocks] & valid[..., None]
         sub = self.cfg.sub_block_size
         if sub:  # only the first sub-block that still has masks
-            has_mask = candidates.view(len(blocks), candidates.shape[1] // sub, sub).any(-1)
-            first = has_mask.int().argmax(-1)
-            in_first = torch.arange(candidates.shape[1], device=rows.device)[None] // sub == first[:, None]
+            shape = candidates.shape
+            has_mask = candidates.view(*shape[:2], shape[2] // sub, sub).any(-1)
+            first = has_mask.int().argmax(-1, keepdim=True)
+            in_first = torch.arange(shape[2], device=blocks.device) // sub == first
             candidates = candidates & in_first
-        return ActiveBlocks(block_rows, window_rows, blocks, state.geometry.positions[block_rows, blocks], candidates)
+        return ActiveBlocks(blocks, valid, state.positions[rows, blocks], candidates)
 
-    def decide(self, state: DecodeState, status: BlockStatus, active: ActiveBlocks, hidden: torch.Tensor,
-               hidden_uncond: torch.Tensor | None, forward_index: int) -> None:
-        """Commit what the strategy picks among `active.candidates`; `hidden` ([NB, B, H]) predicts each slot."""
-        pick = torch.nonzero(active.candidates, as_tuple=True)
-        rows, positions = active.rows[pick[0]], active.positions[pick]
-        logits = self.logits(state, rows, hidden[pick], None if hidden_uncond is None else hidden_uncond[pick])
-        scores = self.score(state, rows, positions, pick[1], logits)
-        transfer = self.select(state, status, active, pick, scores, logits)
-        state.previous[rows, positions] = scores.proposal
-        chosen = transfer[pick]
-        state.commit(rows[chosen], positions[chosen], scores.proposal[chosen], scores.logprob[chosen].float(),
-                     scores.entropy[chosen].float(), forward_index)
-        stepped = torch.zeros(state.num_rows, dtype=torch.bool, device=rows.device)
-        stepped[active.rows] = True
-        state.draws += stepped.long()
+    def decide(self, state: DecodeState, status: BlockStatus, active: ActiveBlocks,
+               hidden_at: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]],
+               capacity: int | None) -> None:
+        """Commit what the strategy picks among `active.candidates`; `hidden_at(rows, positions)` gives the hidden
+        states (and unconditional ones with guidance) that predict those positions."""
+        rows_all, positions_all = active.rows[..., None].expand_as(active.positions), active.positions
+        flat = active.candidates.reshape(-1)
+        if capacity is None:
+            pick = torch.nonzero(flat).flatten()
+        else:
+            pick = torch.sort((~flat).to(torch.int8), stable=True).indices[:capacity]
+        picked = flat[pick]
+        rows, positions = rows_all.reshape(-1)[pick], positions_all.reshape(-1)[pick]
+        hidden, hidden_uncond = hidden_at(rows, positions)
+        logits = self.logits(state, rows, hidden, hidden_uncond)
+        offsets = pick % active.positions.shape[-1]
+        scores = self.score(state, rows, positions, offsets, logits)
+        shape = active.candidates.shape
+        target = torch.where(picked, pick, flat.numel())  # padding rows land past the end
+
+        def grid(values: torch.Tensor, fill) -> torch.Tensor:
+            out = torch.full((flat.numel() + 1,), fill, dtype=values.dtype, device=values.device)
+            out[target] = values
+            return out[:-1].view(shape)
+
+        transfer = self.select(state, status, active, grid, scores, logits)
+        state.previous[rows, torch.where(picked, positions, state.width)] = scores.proposal
+        state.commit(rows_all, positions_all, grid(scores.proposal, 0), grid(scores.logprob.float(), 0.0),
+                     grid(scores.entropy.float(), 0.0), transfer)
+        state.draws += active.valid.any(-1).long()
 
     def logits(self, state: DecodeState, rows: torch.Tensor, hidden: torch.Tensor,
                hidden_uncond: torch.Tensor | None) -> torch.Tensor:
@@ -97,49 +120,37 @@ class Decider:
 
     @staticmethod
     def counter(state: DecodeState, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Noise counter of (row, position) at this step: unique per position and per step of the row."""
+        """Noise counter of (slot, position) at this step: unique per position and per step of the slot."""
         return positions * 65599 + state.draws[rows]
 
     def select(self, state: DecodeState, status: BlockStatus, active: ActiveBlocks,
-               pick: tuple[torch.Tensor, torch.Tensor], scores: Scores, logits: torch.Tensor) -> torch.Tensor:
-        """The strategy's transfer mask over the active blocks ([NB, B])."""
-        candidates = active.candidates
-
-        def grid(values: torch.Tensor, fill) -> torch.Tensor:
-            out = torch.full(candidates.shape, fill, dtype=values.dtype, device=values.device)
-            out[pick] = values
-            return out
-
-        forced = self.forced(state, active)
-        rows, blocks, positions = active.rows, active.blocks, active.positions
+               grid: Callable[[torch.Tensor, object], torch.Tensor], scores: Scores, logits: torch.Tensor):
+        """The strategy's transfer mask, [R, K, B]."""
+        rows, blocks = active.rows, active.blocks
+        full = state.full[rows, blocks] & active.valid
+        forced = full & (torch.cumsum(full.long(), dim=1) == 1)  # the lowest fully-activated active block
+        width = active.candidates.shape[-1]
         block_scores = BlockScores(
-            masked=candidates,
-            confidence=grid(scores.confidence.float(), 0.0),
-            entropy=grid(scores.entropy.float(), float("inf")),
-            margin=grid(scores.margin.float(), 0.0),
-            scheduled=state.schedule(rows, blocks, status.remaining[rows, blocks]),
-            forced=forced,
-            step=state.forced_steps[rows, blocks],
-            proposal=grid(scores.proposal, -1),
+            masked=active.candidates.view(-1, width),
+            confidence=grid(scores.confidence.float(), 0.0).view(-1, width),
+            entropy=grid(scores.entropy.float(), float("inf")).view(-1, width),
+            margin=grid(scores.margin.float(), 0.0).view(-1, width),
+            scheduled=state.schedule(rows, blocks, status.remaining[rows, blocks]).view(-1),
+            forced=forced.view(-1),
+            step=state.forced_steps[rows, blocks].view(-1),
+            proposal=grid(scores.proposal, -1).view(-1, width),
         )
         needs = self.strategy.needs
+        positions = active.positions.clamp(max=state.width)
         if "previous" in needs:
-            block_scores.previous = state.previous[rows[:, None], positions.clamp(max=state.canvas.shape[1] - 1)]
+            block_scores.previous = state.previous[rows[..., None], positions].view(-1, width)
         if "salience" in needs:
             salience = (logits.max(-1).values - logits.mean(-1)) / logits.std(-1).clamp_min(1e-12)
-            block_scores.salience = grid(salience, float("-inf"))
+            block_scores.salience = grid(salience, float("-inf")).view(-1, width)
         if "noise" in needs:
-            counter = self.counter(state, rows[:, None].expand_as(positions), positions)
-            seeds = self.seeds[rows][:, None].expand_as(positions)
-            block_scores.noise = uniform_noise(seeds.reshape(-1), counter.reshape(-1), 1).view(positions.shape)
-        state.forced_steps[rows[forced], blocks[forced]] += 1
-        return self.strategy.select(block_scores, self.params) & candidates
-
-    @staticmethod
-    def forced(state: DecodeState, active: ActiveBlocks) -> torch.Tensor:
-        """The lowest fully-activated block of each row among the active ones must make progress."""
-        full = state.full[active.rows, active.blocks]
-        never = torch.iinfo(torch.long).max
-        lowest = torch.full((state.num_rows,), never, device=active.blocks.device)
-        lowest = lowest.scatter_reduce(0, active.rows, torch.where(full, active.blocks, never), reduce="amin")
-        return full & (active.blocks == lowest[active.rows])
+            counter = self.counter(state, rows[..., None].expand_as(positions), positions)
+            seeds = self.seeds[rows][..., None].expand_as(positions)
+            block_scores.noise = uniform_noise(seeds.reshape(-1), counter.reshape(-1), 1).view(-1, width)
+        state.forced_steps.index_put_((rows, blocks), forced.long(), accumulate=True)
+        transfer = self.strategy.select(block_scores, self.params).view(active.candidates.shape)
+        return transfer & active.candidates

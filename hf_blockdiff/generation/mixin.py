@@ -9,9 +9,8 @@ from transformers.utils import ModelOutput
 
 from ..attention import resolve_backend
 from ..config import BlockDiffusionConfig
-from ..kernels.rng import fmix32
 from ..model_patches.profiles import ModelProfile, profile_for
-from .loop import Decoder
+from .runner import engine_for, plan_shapes, request_seeds
 from .state import DecodeState
 
 
@@ -62,47 +61,16 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> li
     return [row[len(row) - n :] for row, n in zip(input_ids, lengths)]
 
 
-def _check_lengths(model, prompts: list[torch.Tensor], state: DecodeState, cfg: BlockDiffusionConfig) -> None:
+def _check_lengths(model, prompts: list[torch.Tensor], cfg: BlockDiffusionConfig) -> None:
     if any(len(p) == 0 for p in prompts):
         raise ValueError("Every row needs at least one prompt token (a row of attention_mask is all zeros).")
     limit = getattr(model.config, "max_position_embeddings", None)
-    longest = int(state.geometry.row_end.max())
+    longest, _ = plan_shapes([len(p) for p in prompts], cfg)
     if limit is not None and longest > limit:
         raise ValueError(
             f"The longest prompt plus max_new_tokens={cfg.max_new_tokens} (rounded up to whole blocks: {longest} "
             f"positions) exceeds the model's max_position_embeddings={limit}: lower max_new_tokens or shorten the prompt."
         )
-
-
-def _row_seeds(rows: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    base = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=getattr(generator, "device", "cpu"))
-    return fmix32((base.cpu() + torch.arange(rows)) & 0xFFFFFFFF).to(device)
-
-
-def _output(input_ids: torch.Tensor, decoder: Decoder, cfg: BlockDiffusionConfig, return_dict: bool):
-    state = decoder.state
-    geo = state.geometry
-    index = geo.prompt_len[:, None] + torch.arange(cfg.max_new_tokens, device=input_ids.device)
-    generated = state.canvas.gather(1, index)
-    commit_step = state.commit_step.gather(1, index)
-    first, has_stop = state.first_stop(decoder.stop_ids)
-    after_stop = has_stop[:, None] & (index > first[:, None])
-    dropped = after_stop | (generated == cfg.mask_token_id)
-    if not cfg.eos_fill:  # with the fill, what follows the stop token is the stop token already
-        generated = generated.masked_fill(dropped, cfg.pad_token_id)
-    sequences = torch.cat([input_ids, generated], dim=1)
-    if not return_dict:
-        return sequences
-    commit_step = commit_step.masked_fill(dropped, -1)
-    kept = commit_step >= 0
-    return BlockDiffusionOutput(
-        sequences=sequences,
-        num_forwards=decoder.num_forwards,
-        tokens_per_forward=int(kept.sum()) / max(decoder.num_forwards, 1),
-        commit_step=commit_step,
-        logprobs=state.logprob.gather(1, index).masked_fill(~kept, 0.0),
-        entropies=state.entropy.gather(1, index).masked_fill(~kept, 0.0),
-    )
 
 
 class BlockDiffusionGenerationMixin:
@@ -117,27 +85,43 @@ class BlockDiffusionGenerationMixin:
         streamer=None,
         generator: torch.Generator | None = None,
         return_dict: bool = False,
+        max_batch_size: int | None = None,
     ):
         """Block-diffusion decoding of `input_ids` (left-padded [B, P]); see `BlockDiffusionConfig`.
 
-        Returns a LongTensor [B, P + max_new_tokens], or a `BlockDiffusionOutput` with `return_dict=True`."""
+        At most `max_batch_size` prompts decode at once; finished ones are replaced by waiting ones (prompt
+        streaming). Returns a LongTensor [B, P + max_new_tokens], or a `BlockDiffusionOutput` with `return_dict=True`."""
         if config is not None and not isinstance(config, BlockDiffusionConfig):
             raise TypeError("config must be a BlockDiffusionConfig (or None to use the model's profile).")
         vocab = getattr(self.config, "vocab_size", None)
         cfg = (config or BlockDiffusionConfig()).resolved(model_profile(self), vocab)
         prompts = _prompts(input_ids, attention_mask)
         device = input_ids.device
-        state = DecodeState(prompts, cfg, device)
-        _check_lengths(self, prompts, state, cfg)
+        _check_lengths(self, prompts, cfg)
+        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
+            raise ValueError(f"max_batch_size={max_batch_size!r}: pass a positive integer (or None for all prompts).")
         backend = resolve_backend(cfg.attention_backend, device)
-        decoder = Decoder(self, cfg, state, backend, _row_seeds(len(prompts), generator, device))
+        stream = _TokenStream(streamer, input_ids, cfg) if streamer is not None else None
+        seeds = request_seeds(len(prompts), generator)
         was_training = self.training
         self.eval()
         try:
-            decoder.run(_TokenStream(streamer, input_ids, cfg) if streamer is not None else None)
+            engine = engine_for(self, cfg, prompts, max_batch_size, backend, device)
+            results = engine.generate(prompts, seeds, stream)
         finally:
             self.train(was_training)
-        return _output(input_ids, decoder, cfg, return_dict)
+        sequences = torch.cat([input_ids, results.tokens], dim=1)
+        if not return_dict:
+            return sequences
+        kept = results.commit_step >= 0
+        return BlockDiffusionOutput(
+            sequences=sequences,
+            num_forwards=results.num_forwards,
+            tokens_per_forward=int(kept.sum()) / max(results.num_forwards, 1),
+            commit_step=results.commit_step,
+            logprobs=results.logprobs,
+            entropies=results.entropies,
+        )
 
 
 class _TokenStream:
@@ -150,7 +134,7 @@ class _TokenStream:
         streamer.put(input_ids[0].cpu())
 
     def step(self, state: DecodeState) -> None:
-        start = int(state.geometry.prompt_len[0])
+        start = int(state.prompt_len[0])
         row = state.canvas[0, start : start + self.cfg.max_new_tokens]
         undecided = row == self.cfg.mask_token_id
         ready = int(undecided.int().argmax()) if bool(undecided.any()) else len(row)

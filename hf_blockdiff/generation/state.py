@@ -1,9 +1,11 @@
-"""Per-call decode state: every row's canvas and the block state machine of DESIGN §3, as tensors.
+"""Decode state: every slot's canvas and the block state machine of DESIGN §3, as fixed-size tensors.
 
-Rows are kept in their own coordinates (position 0 = the row's first prompt token, whatever the left padding), so
-a row decodes the same alone or in any batch. Decode block j of row r covers
-`[first_block_start[r] + j·B, … + B)` clipped to `row_end[r]`: for `absolute` alignment blocks sit at multiples of B
-and the first one holds the prompt tail; for `prompt_end` they start right after the prompt.
+A slot holds one prompt at a time (prompt streaming refills finished slots). Slots are kept in their own coordinates
+(position 0 = the prompt's first token, whatever the caller's left padding), so a prompt decodes the same alone or in
+any batch. Decode block j of a slot covers `[first_block_start + j·B, … + B)` clipped to `row_end`: for `absolute`
+alignment blocks sit at multiples of B and the first one holds the prompt tail; for `prompt_end` they start right
+after the prompt. Every update is a tensor op on fixed shapes, so a step can run inside a CUDA graph. Column
+`width` of the canvas is a scratch column that absorbs writes of padding slots.
 """
 
 from __future__ import annotations
@@ -15,37 +17,14 @@ import torch
 from ..config import BlockDiffusionConfig
 
 
-@dataclass
-class BlockGeometry:
-    prompt_len: torch.Tensor  # [R] long
-    first_block_start: torch.Tensor  # [R] long: end of the prefill, start of decode block 0
-    row_end: torch.Tensor  # [R] long: canvas length (the last block may end past prompt + max_new_tokens)
-    num_blocks: torch.Tensor  # [R] long
-    positions: torch.Tensor  # [R, NB, B] long: canvas position of each block slot
-    valid: torch.Tensor  # [R, NB, B] bool: slot lies inside the canvas
-    block_size: int
-
-    @classmethod
-    def build(cls, prompt_len: torch.Tensor, cfg: BlockDiffusionConfig) -> "BlockGeometry":
-        size, new = cfg.block_size, cfg.max_new_tokens
-        if cfg.alignment == "absolute":
-            first = prompt_len // size * size
-            num_blocks = (prompt_len + new - first + size - 1) // size
-            row_end = first + num_blocks * size
-        else:
-            first = prompt_len
-            num_blocks = torch.full_like(prompt_len, (new + size - 1) // size)
-            row_end = prompt_len + new
-        max_blocks = int(num_blocks.max())
-        offsets = torch.arange(max_blocks * size, device=prompt_len.device).view(1, max_blocks, size)
-        positions = first.view(-1, 1, 1) + offsets
-        return cls(prompt_len, first, row_end, num_blocks, positions, positions < row_end.view(-1, 1, 1), size)
-
-    def block_end(self, rows: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-        """Exclusive canvas end of decode block `block` ([len(rows)] or [len(rows), X]) of each of `rows`."""
-        shape = (-1,) + (1,) * (block.dim() - 1)
-        first = self.first_block_start[rows].view(shape)
-        return torch.minimum(first + (block + 1) * self.block_size, self.row_end[rows].view(shape))
+def geometry(prompt_len: torch.Tensor, cfg: BlockDiffusionConfig):
+    """(first_block_start, row_end, num_blocks) of prompts of these lengths."""
+    size, new = cfg.block_size, cfg.max_new_tokens
+    if cfg.alignment == "absolute":
+        first = prompt_len // size * size
+        num_blocks = (prompt_len + new - first + size - 1) // size
+        return first, first + num_blocks * size, num_blocks
+    return prompt_len, prompt_len + new, torch.full_like(prompt_len, (new + size - 1) // size)
 
 
 @dataclass
@@ -54,50 +33,100 @@ class BlockStatus:
 
     masked: torch.Tensor  # [R, NB, B] bool
     remaining: torch.Tensor  # masked positions per block
-    progress: torch.Tensor  # decided fraction per block (1 for blocks past the row's last)
+    progress: torch.Tensor  # decided fraction per block (1 for blocks past the slot's last)
     complete: torch.Tensor
 
 
 class DecodeState:
-    """The canvas plus block counters of every row; all updates are tensor ops."""
+    def __init__(self, rows: int, width: int, max_blocks: int, cfg: BlockDiffusionConfig, device: torch.device):
+        self.cfg, self.width, self.block_size = cfg, width, cfg.block_size
 
-    def __init__(self, prompts: list[torch.Tensor], cfg: BlockDiffusionConfig, device: torch.device):
-        lengths = torch.tensor([len(p) for p in prompts], device=device)
-        self.cfg = cfg
-        self.geometry = geo = BlockGeometry.build(lengths, cfg)
-        rows, width = len(prompts), int(geo.row_end.max())
-        self.canvas = torch.full((rows, width), cfg.mask_token_id, dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            self.canvas[row, : len(prompt)] = prompt.to(device)
-        max_blocks = geo.positions.shape[1]
-        self.added = torch.zeros(rows, dtype=torch.long, device=device)
-        self.stored = torch.zeros(rows, dtype=torch.long, device=device)
-        self.full = torch.zeros(rows, max_blocks, dtype=torch.bool, device=device)
-        self.forced_steps = torch.zeros(rows, max_blocks, dtype=torch.long, device=device)
-        self.draws = torch.zeros(rows, dtype=torch.long, device=device)
-        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.previous = torch.full((rows, width), -1, dtype=torch.long, device=device)
-        self.commit_step = torch.full((rows, width), -1, dtype=torch.long, device=device)
-        self.logprob = torch.zeros(rows, width, dtype=torch.float32, device=device)
-        self.entropy = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        def zeros(*shape, dtype=torch.long, fill=0):
+            return torch.full(shape, fill, dtype=dtype, device=device)
+
+        self.prompt_len, self.first_block_start, self.row_end, self.num_blocks = (zeros(rows) for _ in range(4))
+        self.canvas = zeros(rows, width + 1, fill=cfg.mask_token_id)
+        self.previous = zeros(rows, width + 1, fill=-1)
+        self.commit_step = zeros(rows, width + 1, fill=-1)
+        self.logprob = zeros(rows, width + 1, dtype=torch.float32)
+        self.entropy = zeros(rows, width + 1, dtype=torch.float32)
+        self.added, self.stored, self.draws = zeros(rows), zeros(rows), zeros(rows)
+        self.full = zeros(rows, max_blocks, dtype=torch.bool)
+        self.forced_steps = zeros(rows, max_blocks)
+        self.done = zeros(rows, dtype=torch.bool, fill=True)
+        self.forward_index = zeros(1)  # forwards so far, on the device so a captured step can count itself
         self.block_index = torch.arange(max_blocks, device=device)
+        self.offsets = torch.arange(max_blocks * cfg.block_size, device=device).view(max_blocks, cfg.block_size)
 
     @property
     def num_rows(self) -> int:
         return self.canvas.shape[0]
 
+    def fits(self, rows: int, width: int, max_blocks: int) -> bool:
+        return rows == self.num_rows and width <= self.width and max_blocks <= len(self.block_index)
+
+    def load(self, slots: torch.Tensor, prompts: list[torch.Tensor]) -> None:
+        """Put `prompts` into `slots`: fresh canvases and counters."""
+        lengths = torch.tensor([len(p) for p in prompts], device=slots.device)
+        first, row_end, num_blocks = geometry(lengths, self.cfg)
+        self.prompt_len[slots], self.first_block_start[slots] = lengths, first
+        self.row_end[slots], self.num_blocks[slots] = row_end, num_blocks
+        positions = torch.arange(self.width + 1, device=slots.device)
+        canvas = torch.where(positions < row_end[:, None], self.cfg.mask_token_id, self.cfg.pad_token_id)
+        for row, prompt in enumerate(prompts):
+            canvas[row, : len(prompt)] = prompt.to(slots.device)
+        self.canvas[slots] = canvas
+        for buffer, fill in ((self.previous, -1), (self.commit_step, -1), (self.logprob, 0), (self.entropy, 0),
+                             (self.added, 0), (self.stored, 0), (self.draws, 0), (self.full, False),
+                             (self.forced_steps, 0), (self.done, False)):
+            buffer[slots] = fill
+
+    # -- geometry --------------------------------------------------------------------------------------------------
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[R, NB, B] canvas position of each block slot."""
+        return self.first_block_start[:, None, None] + self.offsets
+
+    @property
+    def slot_valid(self) -> torch.Tensor:
+        """[R, NB, B]: the block slot lies inside the canvas."""
+        return self.positions < self.row_end[:, None, None]
+
+    def block_end(self, rows: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        """Exclusive canvas end of decode block `block` of slots `rows` (`rows` matches `block`'s leading dims)."""
+        first, end = self.first_block_start[rows], self.row_end[rows]
+        while first.dim() < block.dim():
+            first, end = first.unsqueeze(-1), end.unsqueeze(-1)
+        return torch.minimum(first + (block + 1) * self.block_size, end)
+
+    def key_limit(self, rows: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Block-causal rule: the end of the block holding `position` ([len(rows), X]). The prefix before the
+        first decode block is a staircase of blocks from position 0 (absolute) or one block (prompt_end)."""
+        size = self.block_size
+        first = self.first_block_start[rows][:, None]
+        in_prefix = position < first
+        if self.cfg.alignment == "absolute":
+            prefix_end = (position // size + 1) * size
+        else:
+            prefix_end = first.expand_as(position)
+        decode_end = self.block_end(rows, (position - first).clamp(min=0) // size)
+        return torch.where(in_prefix, prefix_end, decode_end)
+
+    # -- block state ---------------------------------------------------------------------------------------------------
+
     def status(self) -> BlockStatus:
-        geo = self.geometry
-        rows, blocks, size = geo.positions.shape
-        tokens = self.canvas.gather(1, geo.positions.clamp(max=self.canvas.shape[1] - 1).view(rows, -1))
-        masked = geo.valid & (tokens.view(rows, blocks, size) == self.cfg.mask_token_id)
+        rows, blocks, size = self.full.shape[0], self.full.shape[1], self.block_size
+        valid = self.slot_valid
+        tokens = self.canvas.gather(1, self.positions.clamp(max=self.width).view(rows, -1)).view(rows, blocks, size)
+        masked = valid & (tokens == self.cfg.mask_token_id)
         remaining = masked.sum(-1)
-        length = geo.valid.sum(-1)
+        length = valid.sum(-1)
         progress = torch.where(length > 0, 1.0 - remaining / length.clamp(min=1), 1.0)
         return BlockStatus(masked, remaining, progress, remaining == 0)
 
     def activate(self, status: BlockStatus) -> None:
-        """Add at most one block per row (DESIGN §3.4) and mark blocks fully activated."""
+        """Mark blocks fully activated and add at most one block per slot (DESIGN §3.4)."""
         cfg, blocks = self.cfg, self.block_index
         is_added = blocks < self.added[:, None]
         last = (self.added - 1).clamp(min=0)[:, None]
@@ -106,7 +135,7 @@ class DecodeState:
         active = (is_added & ~status.complete).sum(-1)
         can_add = (
             ~self.done
-            & (self.added < self.geometry.num_blocks)
+            & (self.added < self.num_blocks)
             & ((last_progress >= cfg.block_add_threshold) | last_complete)
             & (active < cfg.max_active_blocks)
         )
@@ -117,56 +146,56 @@ class DecodeState:
         on_add = cfg.decoded_token_threshold if cfg.add_activation_threshold is None else cfg.add_activation_threshold
         self.full |= new & (predecessor >= on_add)
 
-    def commit(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, logprob: torch.Tensor,
-               entropy: torch.Tensor, forward_index: int) -> None:
-        """Write decided tokens and what RL users need about them."""
-        self.canvas[rows, positions] = tokens
-        self.commit_step[rows, positions] = forward_index
-        self.logprob[rows, positions] = logprob
-        self.entropy[rows, positions] = entropy
-
-    def fill_after_stop(self, stop_ids: torch.Tensor, forward_index: int) -> None:
-        """d3LLM's EOS fill: every position after a row's first decided stop token becomes that token."""
-        first, has_stop = self.first_stop(stop_ids)
-        positions = torch.arange(self.canvas.shape[1], device=self.canvas.device)
-        after = has_stop[:, None] & (positions > first[:, None]) & (positions < self.geometry.row_end[:, None])
-        token = self.canvas.gather(1, first[:, None]).expand_as(self.canvas)
-        newly = after & (self.canvas == self.cfg.mask_token_id)
-        self.commit_step[newly] = forward_index
-        self.canvas = torch.where(after, token, self.canvas)
-
     def leading_complete(self, status: BlockStatus) -> torch.Tensor:
         """Number of complete added blocks right after the stored ones: what the next forward can store."""
         is_added = self.block_index < self.added[:, None]
         return (status.complete & is_added).long().cumprod(-1).sum(-1) - self.stored
 
+    def schedule(self, rows: torch.Tensor, blocks: torch.Tensor, remaining: torch.Tensor) -> torch.Tensor:
+        """n_t = ⌊L/S⌋ + [t < L mod S] for block length L at its t-th forced step; all that remains once t ≥ S."""
+        steps = self.cfg.steps_per_block
+        length = self.block_end(rows, blocks) - self.first_block_start[rows] - blocks * self.block_size
+        t = self.forced_steps[rows, blocks]
+        n = length // steps + (t < length % steps).long()
+        return torch.where(t >= steps, remaining, n)
+
+    # -- writing and stopping ----------------------------------------------------------------------------------------
+
+    def commit(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, logprob: torch.Tensor,
+               entropy: torch.Tensor, chosen: torch.Tensor) -> None:
+        """Write the `chosen` tokens (others go to the scratch column) and what RL users need about them."""
+        positions = torch.where(chosen, positions, self.width)
+        self.canvas[rows, positions] = tokens
+        self.commit_step[rows, positions] = self.forward_index.expand_as(positions)
+        self.logprob[rows, positions] = logprob
+        self.entropy[rows, positions] = entropy
+
+    def generated(self) -> torch.Tensor:
+        """[R, width + 1] bool: inside the slot's first `max_new_tokens` generated positions."""
+        positions = torch.arange(self.width + 1, device=self.canvas.device)
+        return (positions >= self.prompt_len[:, None]) & (positions < (self.prompt_len + self.cfg.max_new_tokens)[:, None])
+
+    def first_stop(self, stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Canvas position of each slot's first stop token in its generated part, and whether there is one."""
+        hits = self.generated() & torch.isin(self.canvas, stop_ids)
+        return hits.int().argmax(-1), hits.any(-1)
+
     def stopped(self, status: BlockStatus, stop_ids: torch.Tensor) -> torch.Tensor:
-        """Rows whose first stop token lies in a complete block after which nothing earlier is undecided."""
-        if stop_ids.numel() == 0:
-            return torch.zeros_like(self.done)
+        """Slots whose first stop token lies in a complete block after which nothing earlier is undecided."""
         first, has_stop = self.first_stop(stop_ids)
-        geo = self.geometry
-        stop_block = (first - geo.first_block_start).div(geo.block_size, rounding_mode="floor")
+        stop_block = (first - self.first_block_start).div(self.block_size, rounding_mode="floor")
         upto = self.block_index[None] <= stop_block[:, None]
         settled = (status.complete | ~upto).all(-1)
         if not self.cfg.fused_store and self.cfg.attention == "block_causal":
             settled &= self.stored > stop_block
         return has_stop & settled
 
-    def first_stop(self, stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Canvas position of each row's first stop token in its generated part, and whether there is one."""
-        geo = self.geometry
-        positions = torch.arange(self.canvas.shape[1], device=self.canvas.device)
-        generated = (positions >= geo.prompt_len[:, None]) & (
-            positions < (geo.prompt_len + self.cfg.max_new_tokens)[:, None]
-        )
-        hits = generated & torch.isin(self.canvas, stop_ids)
-        return hits.int().argmax(-1), hits.any(-1)
-
-    def schedule(self, rows: torch.Tensor, blocks: torch.Tensor, remaining: torch.Tensor) -> torch.Tensor:
-        """n_t = ⌊L/S⌋ + [t < L mod S] for block length L at its t-th forced step; all that remains once t ≥ S."""
-        steps = self.cfg.steps_per_block
-        length = self.geometry.valid[rows, blocks].sum(-1)
-        t = self.forced_steps[rows, blocks]
-        n = length // steps + (t < length % steps).long()
-        return torch.where(t >= steps, remaining, n)
+    def fill_after_stop(self, stop_ids: torch.Tensor) -> None:
+        """d3LLM's EOS fill: every position after a slot's first decided stop token becomes that token."""
+        first, has_stop = self.first_stop(stop_ids)
+        positions = torch.arange(self.width + 1, device=self.canvas.device)
+        after = has_stop[:, None] & (positions > first[:, None]) & (positions < self.row_end[:, None])
+        newly = after & (self.canvas == self.cfg.mask_token_id)
+        self.commit_step.masked_fill_(newly, 0)
+        self.commit_step += newly.long() * self.forward_index
+        self.canvas.copy_(torch.where(after, self.canvas.gather(1, first[:, None]), self.canvas))

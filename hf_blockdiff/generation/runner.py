@@ -1,0 +1,152 @@
+"""Prompt streaming: keep up to `slots` prompts decoding, refill finished slots from the queue, return results in
+input order (continuous batching for block diffusion).
+
+Each slot owns a fixed set of KV pages; a finished prompt's pages go to the next prompt of its slot. The engine
+(state, cache, decoder) stays on the model between calls with the same shapes and settings, so buffers and any
+captured CUDA graphs are reused; `hf_blockdiff.free_cache(model)` drops it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from ..cache import PagedBlockCache
+from ..config import BlockDiffusionConfig
+from ..kernels.rng import fmix32
+from .loop import Decoder
+from .state import DecodeState, geometry
+
+
+@dataclass
+class Results:
+    """Per prompt, in input order: generated tokens [N, max_new_tokens] (`pad_token_id` after the first stop token
+    and where nothing was decided), and what RL users need about them."""
+
+    tokens: torch.Tensor
+    commit_step: torch.Tensor
+    logprobs: torch.Tensor
+    entropies: torch.Tensor
+    num_forwards: int
+
+
+def request_seeds(count: int, generator: torch.Generator | None) -> torch.Tensor:
+    """One seed per prompt, from the generator (or torch's default one): prompt i's noise depends only on it."""
+    base = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=getattr(generator, "device", "cpu"))
+    return fmix32((base.cpu() + torch.arange(count)) & 0xFFFFFFFF)
+
+
+def plan_shapes(prompt_lengths: list[int], cfg: BlockDiffusionConfig) -> tuple[int, int]:
+    """(canvas width, blocks) that fit every prompt."""
+    first, row_end, num_blocks = geometry(torch.tensor(prompt_lengths), cfg)
+    return int(row_end.max()), int(num_blocks.max())
+
+
+def kv_bytes_per_token(model) -> int:
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * model.get_output_embeddings().weight.element_size()
+
+
+class Engine:
+    """A decoder with its state and cache for a fixed number of slots and canvas width."""
+
+    def __init__(self, model, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int, backend: str,
+                 device: torch.device):
+        self.cfg, self.backend = cfg, backend
+        self.state = DecodeState(slots, width, max_blocks, cfg, device)
+        self.cache = PagedBlockCache(model.config.get_text_config().num_hidden_layers, cfg.page_size)
+        self.cache.start([width] * (2 * slots if cfg.cfg_scale > 0 else slots), device)
+        self.seeds = torch.zeros(slots, dtype=torch.long, device=device)
+        self.decoder = Decoder(model, cfg, self.state, self.cache, backend, self.seeds)
+
+    def fits(self, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int, backend: str) -> bool:
+        return cfg == self.cfg and backend == self.backend and self.state.fits(slots, width, max_blocks)
+
+    def generate(self, prompts: list[torch.Tensor], seeds: torch.Tensor, stream=None) -> Results:
+        cfg, state = self.cfg, self.state
+        device, new = state.canvas.device, cfg.max_new_tokens
+        results = Results(
+            tokens=torch.full((len(prompts), new), cfg.pad_token_id, dtype=torch.long, device=device),
+            commit_step=torch.full((len(prompts), new), -1, dtype=torch.long, device=device),
+            logprobs=torch.zeros(len(prompts), new, device=device),
+            entropies=torch.zeros(len(prompts), new, device=device),
+            num_forwards=0,
+        )
+        start_forwards = self.decoder.num_forwards
+        owner = [-1] * state.num_rows  # prompt index held by each slot
+        queue = list(range(len(prompts)))
+        state.done.fill_(True)
+        progress = tqdm(total=len(prompts), desc="generate_multi_block", delay=3, leave=False)
+        self._admit(list(range(min(state.num_rows, len(prompts)))), queue, owner, prompts, seeds)
+        while any(request >= 0 for request in owner):
+            self.decoder.step()
+            if stream is not None:
+                stream.step(state)
+            finished = [slot for slot, done in enumerate(state.done.tolist()) if done and owner[slot] >= 0]
+            for slot in finished:
+                self._harvest(slot, owner[slot], results)
+                owner[slot] = -1
+            progress.update(len(finished))
+            self._admit(finished, queue, owner, prompts, seeds)
+        progress.close()
+        if stream is not None:
+            stream.end()
+        results.num_forwards = self.decoder.num_forwards - start_forwards
+        return results
+
+    def _admit(self, slots: list[int], queue: list[int], owner: list[int], prompts, seeds: torch.Tensor) -> None:
+        taken = [(slot, queue.pop(0)) for slot in slots if queue]
+        if not taken:
+            return
+        index = torch.tensor([slot for slot, _ in taken], device=self.state.canvas.device)
+        for slot, request in taken:
+            owner[slot] = request
+        self.seeds[index] = seeds[[request for _, request in taken]].to(self.seeds.device)
+        self.state.load(index, [prompts[request] for _, request in taken])
+        self.cache.committed[index] = 0
+        self.decoder.prefill(index)
+
+    def _harvest(self, slot: int, request: int, results: Results) -> None:
+        state, cfg = self.state, self.cfg
+        index = state.prompt_len[slot] + torch.arange(cfg.max_new_tokens, device=state.canvas.device)
+        tokens = state.canvas[slot, index]
+        first, has_stop = state.first_stop(self.decoder.stop_ids)
+        dropped = (has_stop[slot] & (index > first[slot])) | (tokens == cfg.mask_token_id)
+        if not cfg.eos_fill:  # with the fill, what follows the stop token is the stop token already
+            tokens = tokens.masked_fill(dropped, cfg.pad_token_id)
+        commit_step = state.commit_step[slot, index].masked_fill(dropped, -1)
+        kept = commit_step >= 0
+        results.tokens[request] = tokens
+        results.commit_step[request] = commit_step
+        results.logprobs[request] = state.logprob[slot, index].masked_fill(~kept, 0.0)
+        results.entropies[request] = state.entropy[slot, index].masked_fill(~kept, 0.0)
+
+
+def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], max_batch_size: int | None,
+               backend: str, device: torch.device) -> Engine:
+    """The model's cached engine if it fits this call, else a new one (sized to the KV-cache budget)."""
+    width, max_blocks = plan_shapes([len(p) for p in prompts], cfg)
+    slots = min(len(prompts), max_batch_size or len(prompts))
+    budget = cfg.max_cache_tokens
+    if budget is None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(0.8 * free) // kv_bytes_per_token(model)
+    if budget is not None:
+        pages_per_slot = math.ceil(width / cfg.page_size) * cfg.page_size * (2 if cfg.cfg_scale > 0 else 1)
+        if pages_per_slot > budget:
+            raise ValueError(
+                f"One prompt needs {pages_per_slot} KV-cache tokens but the cache holds {budget}: lower max_new_tokens, "
+                f"shorten the prompt or raise max_cache_tokens."
+            )
+        slots = min(slots, budget // pages_per_slot)
+    engine = getattr(model, "_blockdiff_engine", None)
+    if engine is None or not engine.fits(cfg, slots, width, max_blocks, backend):
+        model._blockdiff_engine = None  # let the old buffers go before allocating new ones
+        engine = Engine(model, cfg, slots, width, max_blocks, backend, device)
+        model._blockdiff_engine = engine
+    return engine
