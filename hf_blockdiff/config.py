@@ -42,7 +42,8 @@ class BlockDiffusionConfig:
     fused_store: store a finished block's K/V in the next block's first forward (token-identical, fewer forwards).
     attention_backend: "auto", "sdpa", "triton", "flash_attn" or "flex".
     page_size: tokens per KV-cache page. max_cache_tokens: KV-cache capacity in tokens (default: 80 % of the free GPU
-    memory on CUDA, unbounded on CPU); it limits how many prompts decode at once.
+    memory on CUDA, unbounded on CPU); it limits how many prompts decode at once. cuda_graphs: replay each decode
+    step as a CUDA graph (None: on CUDA with the Triton backend; True off CUDA runs the same fixed-shape step eagerly).
 
     Sampling controls: repetition_penalty (transformers semantics, over the row's decided tokens),
     pos_temp_slope (T_i = T·(1 + slope·i/(B−1)) for position i of a block), confidence ("filtered": probability
@@ -84,6 +85,7 @@ class BlockDiffusionConfig:
     attention_backend: str = "auto"
     page_size: int = 64
     max_cache_tokens: int | None = None
+    cuda_graphs: bool | None = None
     repetition_penalty: float = 1.0
     pos_temp_slope: float = 0.0
     confidence: str = "filtered"

@@ -34,7 +34,11 @@ class Decoder:
         self.stop_ids = torch.tensor(cfg.stop_ids, dtype=torch.long, device=state.canvas.device)
         hidden = model.config.get_text_config().hidden_size
         dtype = model.get_output_embeddings().weight.dtype
-        self.carry = torch.zeros(state.num_rows, hidden, dtype=dtype, device=state.canvas.device)
+        device = state.canvas.device
+        self.carry = torch.zeros(state.num_rows, hidden, dtype=dtype, device=device)
+        self.active = torch.zeros_like(state.full)
+        self.store, self.span_start, self.span_end = (torch.zeros_like(state.added) for _ in range(3))
+        self.chunk_total = torch.zeros((), dtype=torch.long, device=device)
 
     @property
     def num_forwards(self) -> int:
@@ -109,34 +113,44 @@ class Decoder:
 
     # -- one step ----------------------------------------------------------------------------------------------------
 
-    def step(self, chunk_capacity: int | None = None, logit_capacity: int | None = None) -> None:
-        """One forward of every working slot's window and its decisions. Capacities fix the shapes (CUDA graphs);
-        None sizes them to this step (and skips the forward when no slot works)."""
+    def prepare(self, slots: torch.Tensor) -> None:
+        """Decide the next forward of `slots` ([R] bool): activate blocks and lay out their windows. The plan lives
+        in fixed buffers, so a captured step can prepare its successor; `chunk_total` is its size."""
         state = self.state
         status = state.status()
-        state.activate(status)
+        state.activate(status, slots)
         is_added = state.block_index < state.added[:, None]
         active = is_added & ~status.complete & ~state.done[:, None]
         store = state.leading_complete(status) if self.causal else torch.zeros_like(state.added)
         if self.causal and not self.cfg.fused_store:
             active &= (store == 0)[:, None]
         start, end = self._spans(status, active, store)
-        if chunk_capacity is None and not bool((end > start).any()):
-            self._finish(status)
-            return
-        chunks = plan_chunks(start, end, self.chunk, chunk_capacity)
-        hidden, hidden_uncond = self.forward(chunks, self.key_limits(chunks))
-        self._store(chunks, store, hidden)
-        blocks = self.decider.active_blocks(state, status, active, self.active_blocks)
+        for buffer, value in ((self.active, active), (self.store, store), (self.span_start, start),
+                              (self.span_end, end)):
+            buffer.copy_(torch.where(slots.view(-1, *[1] * (value.dim() - 1)), value, buffer))
+        lengths = (self.span_end - self.span_start).clamp(min=0)
+        self.chunk_total.copy_(((lengths + self.chunk - 1) // self.chunk).sum())
 
-        def hidden_at(rows: torch.Tensor, positions: torch.Tensor):
-            source = positions - int(self.cfg.logit_shift)
-            index, inside = chunks.locate(rows, source)
-            conditional = torch.where(inside[:, None], hidden[index], self.carry[rows])
-            return conditional, None if hidden_uncond is None else hidden_uncond[index]
+    def advance(self, chunk_capacity: int | None = None, logit_capacity: int | None = None) -> None:
+        """Run the prepared forward and its decisions, then prepare the next one. Capacities fix the shapes (CUDA
+        graphs); None sizes them to this step (a host sync) and skips the forward when no slot works."""
+        state = self.state
+        if chunk_capacity is not None or bool(self.chunk_total):
+            status = state.status()
+            chunks = plan_chunks(self.span_start, self.span_end, self.chunk, chunk_capacity)
+            hidden, hidden_uncond = self.forward(chunks, self.key_limits(chunks))
+            self._store(chunks, self.store, hidden)
+            blocks = self.decider.active_blocks(state, status, self.active, self.active_blocks)
 
-        self.decider.decide(state, status, blocks, hidden_at, logit_capacity)
+            def hidden_at(rows: torch.Tensor, positions: torch.Tensor):
+                source = positions - int(self.cfg.logit_shift)
+                index, inside = chunks.locate(rows, source)
+                conditional = torch.where(inside[:, None], hidden[index], self.carry[rows])
+                return conditional, None if hidden_uncond is None else hidden_uncond[index]
+
+            self.decider.decide(state, status, blocks, hidden_at, logit_capacity)
         self._finish(state.status())
+        self.prepare(~state.done)
 
     def _spans(self, status: BlockStatus, active: torch.Tensor, store: torch.Tensor):
         """Each slot's window [start, end) (DESIGN §3.2); empty for slots with nothing to do."""

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from ..cache import PagedBlockCache
 from ..config import BlockDiffusionConfig
 from ..kernels.rng import fmix32
+from .graphs import StepGraphs
 from .loop import Decoder
 from .state import DecodeState, geometry
 
@@ -52,6 +53,16 @@ def kv_bytes_per_token(model) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * model.get_output_embeddings().weight.element_size()
 
 
+def use_graphs(cfg: BlockDiffusionConfig, backend: str, device: torch.device) -> bool:
+    """Fixed-shape steps (CUDA graphs on CUDA): by default on CUDA with the Triton backend; never with a user's
+    logits processor (arbitrary Python)."""
+    if cfg.logits_processor is not None:
+        return False
+    if cfg.cuda_graphs is None:
+        return device.type == "cuda" and backend == "triton"
+    return cfg.cuda_graphs
+
+
 class Engine:
     """A decoder with its state and cache for a fixed number of slots and canvas width."""
 
@@ -63,6 +74,9 @@ class Engine:
         self.cache.start([width] * (2 * slots if cfg.cfg_scale > 0 else slots), device)
         self.seeds = torch.zeros(slots, dtype=torch.long, device=device)
         self.decoder = Decoder(model, cfg, self.state, self.cache, backend, self.seeds)
+        self.step = self.decoder.advance
+        if use_graphs(cfg, backend, device):
+            self.step = StepGraphs(self.decoder, capture=device.type == "cuda").step
 
     def fits(self, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int, backend: str) -> bool:
         return cfg == self.cfg and backend == self.backend and self.state.fits(slots, width, max_blocks)
@@ -84,7 +98,7 @@ class Engine:
         progress = tqdm(total=len(prompts), desc="generate_multi_block", delay=3, leave=False)
         self._admit(list(range(min(state.num_rows, len(prompts)))), queue, owner, prompts, seeds)
         while any(request >= 0 for request in owner):
-            self.decoder.step()
+            self.step()
             if stream is not None:
                 stream.step(state)
             finished = [slot for slot, done in enumerate(state.done.tolist()) if done and owner[slot] >= 0]
@@ -110,6 +124,9 @@ class Engine:
         self.state.load(index, [prompts[request] for _, request in taken])
         self.cache.committed[index] = 0
         self.decoder.prefill(index)
+        loaded = torch.zeros_like(self.state.done)
+        loaded[index] = True
+        self.decoder.prepare(loaded)
 
     def _harvest(self, slot: int, request: int, results: Results) -> None:
         state, cfg = self.state, self.cfg

@@ -125,8 +125,8 @@ class DecodeState:
         progress = torch.where(length > 0, 1.0 - remaining / length.clamp(min=1), 1.0)
         return BlockStatus(masked, remaining, progress, remaining == 0)
 
-    def activate(self, status: BlockStatus) -> None:
-        """Mark blocks fully activated and add at most one block per slot (DESIGN §3.4)."""
+    def activate(self, status: BlockStatus, slots: torch.Tensor) -> None:
+        """Mark blocks of `slots` ([R] bool) fully activated and add at most one block per slot (DESIGN §3.4)."""
         cfg, blocks = self.cfg, self.block_index
         is_added = blocks < self.added[:, None]
         last = (self.added - 1).clamp(min=0)[:, None]
@@ -134,13 +134,14 @@ class DecodeState:
         last_complete = torch.where(self.added > 0, status.complete.gather(1, last).squeeze(1), True)
         active = (is_added & ~status.complete).sum(-1)
         can_add = (
-            ~self.done
+            slots
+            & ~self.done
             & (self.added < self.num_blocks)
             & ((last_progress >= cfg.block_add_threshold) | last_complete)
             & (active < cfg.max_active_blocks)
         )
         predecessor = torch.cat([torch.ones_like(status.progress[:, :1]), status.progress[:, :-1]], dim=1)
-        self.full |= is_added & (predecessor >= cfg.decoded_token_threshold)
+        self.full |= slots[:, None] & is_added & (predecessor >= cfg.decoded_token_threshold)
         self.added += can_add.long()
         new = can_add[:, None] & (blocks == (self.added - 1)[:, None])
         on_add = cfg.decoded_token_threshold if cfg.add_activation_threshold is None else cfg.add_activation_threshold
