@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import bench
 from .config import BlockDiffusionConfig
 
 # BlockDiffusionConfig fields exposed as flags, with their parser
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_config_flags(gen)
     gen.set_defaults(run=run_generate)
+    bench.add_parser(commands)
     return parser
 
 

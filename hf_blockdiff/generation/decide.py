@@ -94,13 +94,15 @@ class Decider:
 
     def logits(self, state: DecodeState, rows: torch.Tensor, hidden: torch.Tensor,
                hidden_uncond: torch.Tensor | None) -> torch.Tensor:
-        """LM head on gathered hidden states, then guidance and the logits processors ([n, V] float)."""
+        """LM head on gathered hidden states, then guidance and the logits processors ([n, V]; the model's dtype
+        unless a processor needs float32: the fused scoring reads bf16 logits as they are)."""
         cfg = self.cfg
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
         if hidden_uncond is not None:
             uncond = self.lm_head(hidden_uncond).float()
-            logits = uncond + (cfg.cfg_scale + 1) * (logits - uncond)
+            logits = uncond + (cfg.cfg_scale + 1) * (logits.float() - uncond)
         if cfg.repetition_penalty != 1.0:
+            logits = logits.float()
             present = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, state.canvas[rows], True)
             present[:, cfg.mask_token_id] = False
             penalty = cfg.repetition_penalty
@@ -145,7 +147,8 @@ class Decider:
         if "previous" in needs:
             block_scores.previous = state.previous[rows[..., None], positions].view(-1, width)
         if "salience" in needs:
-            salience = (logits.max(-1).values - logits.mean(-1)) / logits.std(-1).clamp_min(1e-12)
+            z = logits.float()
+            salience = (z.max(-1).values - z.mean(-1)) / z.std(-1).clamp_min(1e-12)
             block_scores.salience = grid(salience, float("-inf")).view(-1, width)
         if "noise" in needs:
             counter = self.counter(state, rows[..., None].expand_as(positions), positions)

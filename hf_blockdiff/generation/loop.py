@@ -104,7 +104,7 @@ class Decoder:
         rows = torch.arange(state.num_rows, device=has.device)
         position = self.cache.committed[rows].clamp(max=state.width)
         open_ = has & (position < state.row_end) & (state.canvas[rows, position] == self.cfg.mask_token_id)
-        logits = self.decider.logits(state, rows, self.carry, None)
+        logits = self.decider.logits(state, rows, self.carry, None).float()
         logits[:, self.cfg.mask_token_id] = float("-inf")
         logp = torch.log_softmax(logits, -1)
         token = logits.argmax(-1)

@@ -113,7 +113,7 @@ def run(device="cuda", small=False):
     return rows
 
 
-def _print_table(rows):
+def print_table(rows):
     cols = ["kernel", "batch", "prefix", "block", "page_size", "triton_us", "graph_us", "torch_us", "bound_us",
             "bandwidth_frac"]
     print(" ".join(f"{c:>16}" for c in cols))
@@ -122,4 +122,4 @@ def _print_table(rows):
 
 
 if __name__ == "__main__":
-    _print_table(run())
+    print_table(run())

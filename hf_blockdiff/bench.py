@@ -1,0 +1,232 @@
+"""`hf-blockdiff bench`: hf_blockdiff against the plain-HF reference loop, same process, same inputs.
+
+The reference loop is how SDAR's generate.py decodes with stock transformers: a DynamicCache, a staircase prefill,
+read-only denoise forwards (the block's K/V are cropped away again) and one store forward per block, the whole
+vocabulary softmaxed in fp32 for every position of the block. Both decode the same random prompts with
+`low_confidence_static`-style schedules; the report gives tok/s, ms per forward, forwards (NFE), tokens per forward
+(TPF), peak memory and the speedup, with the exact settings.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .config import BlockDiffusionConfig
+from .generation.mixin import model_profile
+
+SHAPES = {  # architecture sizes of released checkpoints (random weights; nothing is downloaded)
+    "tiny": dict(model_type="sdar", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=4096),
+    "sdar-1.7b": dict(model_type="sdar", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "sdar-4b": dict(model_type="sdar", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "sdar-8b": dict(model_type="sdar", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "llada-8b": dict(model_type="llada", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
+                     vocab_size=126464, embedding_size=126464, rope_theta=500000.0, max_sequence_length=8192),
+}
+
+
+@dataclass
+class Measurement:
+    name: str
+    seconds: float
+    forwards: int
+    tokens: int
+    peak_gib: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def row(self) -> dict:
+        return {**asdict(self), "tok_s": round(self.tok_s, 1), "ms_per_forward": round(1e3 * self.seconds / self.forwards, 2),
+                "tokens_per_forward": round(self.tokens / self.forwards, 3)}
+
+
+def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_blockdiff  # noqa: F401  (registers the families)
+
+    if model_path:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    sizes = dict(SHAPES[shape])
+    model_type = sizes.pop("model_type")
+    if model_type == "sdar":
+        sizes["max_position_embeddings"] = 32768
+    config = AutoConfig.for_model(model_type, **sizes, mask_token_id=sizes["vocab_size"] - 1)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _measure(name: str, run, device: str, tokens: int) -> Measurement:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    _synchronize(device)
+    start = time.perf_counter()
+    forwards = run()
+    _synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else 0.0
+    return Measurement(name, seconds, forwards, tokens, round(peak, 2))
+
+
+def _commit_top(x, logits, masked, count, mask_id):
+    """The reference's low_confidence_static: the `count` most confident masked positions take their argmax."""
+    logits[..., mask_id] = float("-inf")
+    confidence, proposal = torch.softmax(logits.float(), dim=-1).max(-1)
+    confidence = confidence.masked_fill(~masked, -1.0)
+    chosen = torch.zeros_like(masked).scatter_(1, confidence.topk(count, -1).indices, True) & masked
+    return torch.where(chosen, proposal, x)
+
+
+@torch.no_grad()
+def llada_loop(model, prompts: torch.Tensor, cfg: BlockDiffusionConfig) -> int:
+    """LLaDA generate.py with stock transformers: the whole canvas recomputed for every step of every block."""
+    batch, length = prompts.shape
+    size, steps, new = cfg.block_size, cfg.steps_per_block, cfg.max_new_tokens
+    x = torch.full((batch, length + new), cfg.mask_token_id, dtype=torch.long, device=prompts.device)
+    x[:, :length] = prompts
+    forwards = 0
+    for lo in range(length, length + new, size):
+        hi = min(lo + size, length + new)
+        schedule = [(hi - lo) // steps + (t < (hi - lo) % steps) for t in range(steps)]
+        for count in schedule:
+            logits = model(input_ids=x).logits[:, lo:hi]
+            forwards += 1
+            x[:, lo:hi] = _commit_top(x[:, lo:hi], logits, x[:, lo:hi] == cfg.mask_token_id, count, cfg.mask_token_id)
+    return forwards
+
+
+@torch.no_grad()
+def reference_loop(model, prompts: torch.Tensor, cfg: BlockDiffusionConfig) -> int:
+    """SDAR generate.py with stock transformers for a batch of equal-length prompts; returns the forward count."""
+    from transformers import DynamicCache
+
+    batch, length = prompts.shape
+    size, steps, new = cfg.block_size, cfg.steps_per_block, cfg.max_new_tokens
+    total = -(-(length + new) // size) * size
+    x = torch.full((batch, total), cfg.mask_token_id, dtype=torch.long, device=prompts.device)
+    x[:, :length] = prompts
+    blocks = torch.arange(total, device=prompts.device) // size
+    allowed = blocks[:, None] >= blocks[None, :]
+    cache, forwards = DynamicCache(), 0
+
+    def forward(lo, hi):
+        mask = allowed[lo:hi, :hi][None, None].expand(batch, 1, -1, -1)
+        position = torch.arange(lo, hi, device=x.device)[None].expand(batch, -1)
+        return model(input_ids=x[:, lo:hi], attention_mask=mask, position_ids=position, past_key_values=cache,
+                     use_cache=True).logits
+
+    prefill = length // size * size
+    if prefill:
+        forward(0, prefill)
+        forwards += 1
+    schedule = [size // steps + (t < size % steps) for t in range(steps)]
+    for block in range(length // size, total // size):
+        lo, hi = block * size, (block + 1) * size
+        for step in range(steps + 1):
+            masked = x[:, lo:hi] == cfg.mask_token_id
+            logits = forward(lo, hi)
+            forwards += 1
+            if not bool(masked.any()):
+                break  # that was the store forward: its K/V stay
+            cache.crop(-size)  # read-only denoise: drop the block's K/V again
+            x[:, lo:hi] = _commit_top(x[:, lo:hi], logits, masked, schedule[min(step, steps - 1)], cfg.mask_token_id)
+    return forwards
+
+
+def bench(args) -> dict:
+    device, dtype = args.device, getattr(torch, args.dtype)
+    model = build_model(args.shape, args.model, device, dtype)
+    mask_id = getattr(model.config, "mask_token_id", None) or model.config.get_text_config().vocab_size - 1
+    bidirectional = model_profile(model).attention == "bidirectional"
+    cfg = BlockDiffusionConfig(
+        mask_token_id=mask_id, block_size=args.block_size, steps_per_block=args.steps_per_block or args.block_size,
+        max_new_tokens=args.new_tokens, strategy=args.strategy, threshold=args.threshold,
+        max_active_blocks=args.max_active_blocks, block_add_threshold=args.block_add_threshold,
+        decoded_token_threshold=args.decoded_token_threshold, eos_token_id=[], attention_backend=args.attention_backend,
+        attention="bidirectional" if bidirectional else "block_causal",
+        alignment="prompt_end" if bidirectional else "absolute",
+    )
+    reference = llada_loop if bidirectional else reference_loop
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, min(model.config.get_text_config().vocab_size, mask_id) - 1,
+                            (args.batch_size, args.prompt_len), generator=generator).to(device)
+    tokens = args.batch_size * args.new_tokens
+    results = []
+
+    def ours():
+        return model.generate_multi_block(prompts, cfg, return_dict=True).num_forwards
+
+    first = _measure("hf_blockdiff (first call)", ours, device, tokens)
+    results.append(_measure("hf_blockdiff", ours, device, tokens))
+    if not args.skip_reference:
+        results.append(_measure("plain HF reference", lambda: reference(model, prompts, cfg), device, tokens))
+    report = {
+        "settings": {key: value for key, value in vars(args).items() if key not in ("run", "json")},
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "first_call_overhead_s": round(first.seconds - results[0].seconds, 3),
+        "results": [m.row() for m in results],
+    }
+    if len(results) == 2:
+        report["speedup"] = round(results[0].tok_s / results[1].tok_s, 2)
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(f"device: {report['device']}   settings: {json.dumps(report['settings'])}")
+    print(f"{'run':<22}{'tok/s':>12}{'ms/forward':>12}{'NFE':>8}{'TPF':>8}{'peak GiB':>10}")
+    for row in report["results"]:
+        print(f"{row['name']:<22}{row['tok_s']:>12.1f}{row['ms_per_forward']:>12.2f}{row['forwards']:>8}"
+              f"{row['tokens_per_forward']:>8.2f}{row['peak_gib']:>10.2f}")
+    if "speedup" in report:
+        print(f"speedup: {report['speedup']}x   first-call overhead (graph capture, warm-up): "
+              f"{report['first_call_overhead_s']} s")
+
+
+def run_bench(args) -> None:
+    if args.kernels:
+        from .kernels import microbench
+
+        microbench.print_table(microbench.run(device=args.device))
+        return
+    report = bench(args)
+    print(json.dumps(report) if args.json else "", end="\n" if args.json else "")
+    if not args.json:
+        print_report(report)
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("bench", help="hf_blockdiff vs the plain-HF reference loop (tok/s, NFE, memory)")
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    parser.add_argument("--model", help="a checkpoint directory instead of a random-weight shape")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--steps-per-block", type=int, default=None)
+    parser.add_argument("--max-active-blocks", type=int, default=1)
+    parser.add_argument("--block-add-threshold", type=float, default=1.0)
+    parser.add_argument("--decoded-token-threshold", type=float, default=1.0)
+    parser.add_argument("--strategy", default="low_confidence_static")
+    parser.add_argument("--threshold", type=float, default=None)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--skip-reference", action="store_true", help="time hf_blockdiff only")
+    parser.add_argument("--kernels", action="store_true", help="run the kernel microbenchmarks instead")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(run=run_bench)
