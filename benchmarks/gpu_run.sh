@@ -6,7 +6,9 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/hf_blockdiff_gpu}"
 mkdir -p "$OUT"
 bench() { python -m hf_blockdiff.cli bench --shape sdar-4b --prompt-len 256 "$@" --json | tail -1 | tee -a "$OUT/bench.jsonl"; }
-for part in "${@:-tests kernels main}"; do
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests kernels main)
+for part in "${parts[@]}"; do
   case "$part" in
     tests)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
