@@ -5,17 +5,17 @@ set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/hf_blockdiff_gpu}"
 mkdir -p "$OUT"
-bench() { python -m hf_blockdiff.cli bench --shape sdar-4b --prompt-len 256 "$@" --json | tail -1 | tee -a "$OUT/bench.jsonl"; }
+bench() { python3 -m hf_blockdiff.cli bench --shape sdar-4b --prompt-len 256 "$@" --json | tail -1 | tee -a "$OUT/bench.jsonl"; }
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests kernels main)
 for part in "${parts[@]}"; do
   case "$part" in
     tests)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-      python -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
-      python -m pytest -q -m gpu tests -rA 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+      python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
+      python3 -m pytest -q -m gpu tests -rA 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     kernels)
-      python -m hf_blockdiff.cli bench --kernels 2>&1 | tee "$OUT/kernels.txt" ;;
+      python3 -m hf_blockdiff.cli bench --kernels 2>&1 | tee "$OUT/kernels.txt" ;;
     main)  # the targets: SDAR-4B shapes, bf16, prompt 256, 1024 new tokens, block 4, static 4 steps
       bench --batch-size 1 --new-tokens 1024
       bench --batch-size 128 --new-tokens 1024 ;;
@@ -24,7 +24,7 @@ for part in "${parts[@]}"; do
       bench --batch-size 32 --new-tokens 256 --block-size 32 --steps-per-block 32
       for k in 2 4; do bench --batch-size 32 --new-tokens 256 --max-active-blocks "$k" --block-add-threshold 0.5 \
         --decoded-token-threshold 0.5 --strategy entropy_threshold --threshold 1.0 --skip-reference; done
-      python -m hf_blockdiff.cli bench --shape llada-8b --batch-size 8 --prompt-len 256 --new-tokens 128 --block-size 32 \
+      python3 -m hf_blockdiff.cli bench --shape llada-8b --batch-size 8 --prompt-len 256 --new-tokens 128 --block-size 32 \
         --steps-per-block 32 --json | tail -1 | tee -a "$OUT/bench.jsonl" ;;
   esac
 done
