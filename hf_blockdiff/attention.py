@@ -17,6 +17,7 @@ from transformers import AttentionInterface
 from .cache import ForwardPlan
 from .kernels import TRITON_AVAILABLE
 from .kernels.paged_attention import paged_attention
+from .kernels.rmsnorm import rms_norm
 
 ATTENTION_NAME = "hf_blockdiff"
 HOW_TO_GET = {
@@ -77,13 +78,27 @@ def register() -> None:
     AttentionInterface.register(ATTENTION_NAME, blockdiff_attention_forward)
 
 
+# transformers' RMSNorm classes whose forward is exactly kernels.rmsnorm.rms_norm_reference
+STOCK_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm")
+
+
+def _fused_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
 @contextmanager
-def blockdiff_attention(model: torch.nn.Module):
-    """Route the model's attention through hf_blockdiff for the duration of the block; restore it after."""
+def blockdiff_attention(model: torch.nn.Module, fuse_norms: bool = False):
+    """Route the model's attention through hf_blockdiff for the duration of the block (and, with `fuse_norms`,
+    its stock RMSNorms through one fused kernel each); restore everything after."""
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME
+    norms = [m for m in model.modules() if type(m).__name__ in STOCK_RMS_NORMS] if fuse_norms else []
+    for norm in norms:
+        norm.forward = _fused_rms_norm_forward.__get__(norm)
     try:
         yield
     finally:
         config._attn_implementation = previous
+        for norm in norms:
+            del norm.forward

@@ -58,7 +58,7 @@ class Decoder:
             rows = torch.cat([rows, rows + state.num_rows])
             positions, q_limit, valid = positions.repeat(2, 1), q_limit.repeat(2, 1), valid.repeat(2, 1)
         plan = self.cache.plan_forward(rows, positions, valid, q_limit.int(), self.backend)
-        with blockdiff_attention(self.model):
+        with blockdiff_attention(self.model, fuse_norms=self.backend == "triton"):
             out = self.decoder(input_ids=tokens, position_ids=positions, past_key_values=self.cache, use_cache=True,
                                blockdiff_plan=plan)
         state.forward_index += 1
