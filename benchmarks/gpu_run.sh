@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks behind the README tables, in one go: `benchmarks/gpu_run.sh [tests|kernels|main|extra]`.
 # Runs from the repository root on a CUDA machine with torch, transformers, triton installed; writes logs to $OUT.
 set -uo pipefail
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT="${OUT:-/tmp/hf_blockdiff_gpu}"
 mkdir -p "$OUT"
 bench() { python3 -m hf_blockdiff.cli bench --shape sdar-4b --prompt-len 256 "$@" --json | tail -1 | tee -a "$OUT/bench.jsonl"; }
