@@ -12,3 +12,10 @@ from helpers import tiny_model  # noqa: E402
 @pytest.fixture(scope="session")
 def qwen3():
     return tiny_model("qwen3")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    from helpers import save_checkpoint
+
+    return save_checkpoint(tmp_path_factory.mktemp("tiny-checkpoint"))
