@@ -16,6 +16,7 @@ from .patching import free_cache, patch_model
 __version__ = "0.1.0"
 __all__ = [
     "BlockDiffusionConfig",
+    "BlockDiffusionEvalCallback",
     "BlockDiffusionGenerationMixin",
     "BlockDiffusionOutput",
     "PagedBlockCache",
@@ -25,3 +26,11 @@ __all__ = [
 
 _attention.register()
 _patching.patch_known_classes()
+
+
+def __getattr__(name: str):
+    if name == "BlockDiffusionEvalCallback":  # imported on first use: it brings in the Trainer machinery
+        from .callbacks import BlockDiffusionEvalCallback
+
+        return BlockDiffusionEvalCallback
+    raise AttributeError(f"module 'hf_blockdiff' has no attribute {name!r}")

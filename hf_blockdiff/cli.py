@@ -1,4 +1,8 @@
-"""`hf-blockdiff` command line: generate (and the subcommands registered by other modules)."""
+"""`hf-blockdiff` command line: generate (and the subcommands registered by other modules).
+
+`accelerate launch -m hf_blockdiff.cli generate ...` (or `torchrun`) splits the prompts over the processes and writes
+the results in input order from the main process; with `--tensor-parallel` under `torchrun` the processes share
+the model's weights instead."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import sys
 from pathlib import Path
 
 from . import bench
+from .checkpoint import DTYPES, load_pretrained
+from .distributed import generate_distributed, process_state
 from .config import BlockDiffusionConfig
 
 # BlockDiffusionConfig fields exposed as flags, with their parser
@@ -43,72 +49,42 @@ def read_prompts(args: argparse.Namespace) -> list:
     for number, line in enumerate(Path(args.input).read_text().splitlines(), 1):
         if not line.strip():
             continue
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{args.input}:{number}: not a JSON object ({error.msg})") from None
         if not isinstance(record, dict) or not ("prompt" in record or "messages" in record):
             raise ValueError(f"{args.input}:{number}: each line needs a 'prompt' string or a 'messages' list")
         prompts.append(record.get("messages", record.get("prompt")))
     return prompts
 
 
-def load(path: str, device: str, dtype: str):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import hf_blockdiff  # noqa: F401  (registers model types)
-
-    if not Path(path).is_dir():
-        raise ValueError(f"--model {path!r} is not a directory holding a checkpoint (config.json, weights, tokenizer)")
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    return model, tokenizer
-
-
-def encode(tokenizer, prompts: list, chat: bool):
-    if chat:
-        texts = [
-            tokenizer.apply_chat_template(
-                p if isinstance(p, list) else [{"role": "user", "content": p}], tokenize=False,
-                add_generation_prompt=True,
-            )
-            for p in prompts
-        ]
-    else:
-        if any(isinstance(p, list) for p in prompts):
-            raise ValueError("'messages' records need --chat")
-        texts = prompts
-    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
-
-
-def generate_texts(model, tokenizer, prompts: list, cfg: BlockDiffusionConfig, chat: bool, batch_size: int,
-                   progress: bool = True):
-    """Completions of `prompts` in order, with the forward count of each batch."""
-    from tqdm.auto import tqdm
-
-    results = []
-    batches = range(0, len(prompts), batch_size)
-    for start in tqdm(batches, disable=not progress or len(batches) < 2, desc="generate"):
-        chunk = prompts[start : start + batch_size]
-        enc = encode(tokenizer, chunk, chat).to(model.device)
-        out = model.generate_multi_block(enc.input_ids, cfg, attention_mask=enc.attention_mask, return_dict=True)
-        width = enc.input_ids.shape[1]
-        for row in range(len(chunk)):
-            text = tokenizer.decode(out.sequences[row, width:], skip_special_tokens=True)
-            results.append({"completion": text, "num_forwards": out.num_forwards})
-    return results
-
-
 def run_generate(args: argparse.Namespace) -> None:
-    model, tokenizer = load(args.model, args.device, args.dtype)
-    prompts = read_prompts(args)
     cfg = config_from_args(args)
-    results = generate_texts(model, tokenizer, prompts, cfg, args.chat, args.batch_size)
-    lines = [json.dumps({"prompt": p, **r}, ensure_ascii=False) for p, r in zip(prompts, results)]
+    prompts = read_prompts(args)
+    model, tokenizer = load_pretrained(args.model, args.device, args.dtype, args.tensor_parallel)
+    results = generate_distributed(model, prompts, cfg, tokenizer, batch_size=args.batch_size, chat=args.chat,
+                                   progress=True)
+    if not process_state().is_main_process:
+        return
+    lines = [
+        json.dumps({"prompt": p, "completion": c.text, "num_forwards": c.num_forwards}, ensure_ascii=False)
+        for p, c in zip(prompts, results)
+    ]
     if args.output:
         Path(args.output).write_text("\n".join(lines) + "\n")
     elif args.prompt is not None:
-        print(results[0]["completion"])
+        print(results[0].text)
     else:
         print("\n".join(lines))
+
+
+def run_lm_eval(args: argparse.Namespace) -> None:
+    try:
+        from .integrations.lm_eval import run_cli
+    except ImportError as error:
+        raise ValueError(f"lm-eval is not installed ({error}): pip install lm-eval") from None
+    run_cli(args.passed_on)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,20 +98,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", help="write JSONL results here instead of printing")
     gen.add_argument("--chat", action="store_true", help="format prompts with the tokenizer's chat template")
     gen.add_argument("--batch-size", type=int, default=16)
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--device", help="default: this process's device (cuda:LOCAL_RANK under accelerate/torchrun)")
+    gen.add_argument("--dtype", default="float32", choices=DTYPES)
+    gen.add_argument("--tensor-parallel", action="store_true",
+                     help="shard the model over the processes of a torchrun launch (tp_plan='auto')")
     add_config_flags(gen)
     gen.set_defaults(run=run_generate)
     bench.add_parser(commands)
+    evaluate = commands.add_parser("lm-eval", add_help=False, help="lm-evaluation-harness with the hf-blockdiff "
+                                   "model registered; lm_eval's arguments follow (needs `pip install lm-eval`)")
+    evaluate.set_defaults(run=run_lm_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, passed_on = parser.parse_known_args(argv)
+    if args.command == "lm-eval":  # every argument is lm_eval's
+        args.passed_on = passed_on
+    elif passed_on:
+        parser.error(f"unrecognized arguments: {' '.join(passed_on)}")
     try:
         args.run(args)
-    except (ValueError, TypeError, OSError, json.JSONDecodeError) as error:
-        print(f"hf-blockdiff: error: {error}", file=sys.stderr)
+    except (ValueError, TypeError, OSError) as error:
+        print("hf-blockdiff: error:", " ".join(str(error).split()), file=sys.stderr)  # one line, however long
         return 2
     return 0
 

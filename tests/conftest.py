@@ -22,3 +22,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def qwen3():
     return tiny_model("qwen3")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    from helpers import save_checkpoint
+
+    return save_checkpoint(tmp_path_factory.mktemp("tiny-checkpoint"))

@@ -39,3 +39,35 @@ def left_pad(prompts, pad=0):
         ids[row, width - len(prompt):] = prompt
         mask[row, width - len(prompt):] = 1
     return ids, mask
+
+
+CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ \n!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"[:MASK]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer over the tiny models' vocabulary: id i < MASK is CHARS[i], MASK is <mask>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(CHARS)}
+    vocab["<mask>"] = MASK
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<mask>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, mask_token="<mask>", unk_token="<mask>", chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def save_checkpoint(path, **config):
+    """A tiny Qwen3 checkpoint with the char tokenizer, decodable without flags (mask id, block size in its config)."""
+    model = tiny_model("qwen3", **config)
+    model.config.mask_token_id, model.config.block_size = MASK, 4
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path

@@ -9,7 +9,9 @@ from transformers.utils import ModelOutput
 
 from ..attention import resolve_backend
 from ..config import BlockDiffusionConfig
+from ..lora import over_adapters
 from ..model_patches.profiles import ModelProfile, profile_for
+from ..tensor_parallel import check_tensor_parallel
 from .runner import engine_for, plan_shapes, request_seeds
 from .state import DecodeState
 
@@ -77,6 +79,7 @@ class BlockDiffusionGenerationMixin:
     """Adds `generate_multi_block` to a transformers causal LM."""
 
     @torch.no_grad()
+    @over_adapters
     def generate_multi_block(
         self,
         input_ids: torch.LongTensor,
@@ -90,7 +93,13 @@ class BlockDiffusionGenerationMixin:
         """Block-diffusion decoding of `input_ids` (left-padded [B, P]); see `BlockDiffusionConfig`.
 
         At most `max_batch_size` prompts decode at once; finished ones are replaced by waiting ones (prompt
-        streaming). Returns a LongTensor [B, P + max_new_tokens], or a `BlockDiffusionOutput` with `return_dict=True`."""
+        streaming). Returns a LongTensor [B, P + max_new_tokens], or a `BlockDiffusionOutput` with `return_dict=True`.
+
+        PEFT: on a `PeftModel` (or a model with adapters from `load_adapter`) the active LoRA adapters are merged into
+        the base weights for the call and the base weights are restored bit-exactly after it. `adapters=[name, ...]`
+        decodes once per named adapter, each alone, and returns a list of the outputs in that order.
+        `streamer`: batch 1; gets `put`/`end` like transformers streamers, and `put_draft` each step if it has one
+        (see `_TokenStream`)."""
         if config is not None and not isinstance(config, BlockDiffusionConfig):
             raise TypeError("config must be a BlockDiffusionConfig (or None to use the model's profile).")
         vocab = getattr(self.config, "vocab_size", None)
@@ -100,6 +109,7 @@ class BlockDiffusionGenerationMixin:
         _check_lengths(self, prompts, cfg)
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
             raise ValueError(f"max_batch_size={max_batch_size!r}: pass a positive integer (or None for all prompts).")
+        check_tensor_parallel(self)
         backend = resolve_backend(cfg.attention_backend, device)
         stream = _TokenStream(streamer, input_ids, cfg) if streamer is not None else None
         seeds = request_seeds(len(prompts), generator)
@@ -125,18 +135,25 @@ class BlockDiffusionGenerationMixin:
 
 
 class _TokenStream:
-    """Feeds a transformers streamer (batch 1) the tokens of row 0 as soon as everything before them is decided."""
+    """Feeds a transformers streamer (batch 1) the tokens of row 0 as soon as everything before them is decided.
+
+    A streamer with a `put_draft(tokens, decided)` method also gets, after every step, the generated part of the
+    row: `tokens` a CPU LongTensor [max_new_tokens] holding `mask_token_id` where still undecided, `decided` the
+    BoolTensor of positions already decided (in any order; positions past the first stop token are dropped later)."""
 
     def __init__(self, streamer, input_ids: torch.Tensor, cfg: BlockDiffusionConfig):
         if input_ids.shape[0] != 1:
             raise ValueError("streamer needs a batch of one prompt.")
         self.streamer, self.cfg, self.sent = streamer, cfg, 0
+        self.put_draft = getattr(streamer, "put_draft", None)
         streamer.put(input_ids[0].cpu())
 
     def step(self, state: DecodeState) -> None:
         start = int(state.prompt_len[0])
         row = state.canvas[0, start : start + self.cfg.max_new_tokens]
         undecided = row == self.cfg.mask_token_id
+        if self.put_draft is not None:
+            self.put_draft(row.cpu(), ~undecided.cpu())
         ready = int(undecided.int().argmax()) if bool(undecided.any()) else len(row)
         first, has_stop = state.first_stop(torch.tensor(self.cfg.stop_ids, dtype=torch.long, device=row.device))
         if bool(has_stop[0]):

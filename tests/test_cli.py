@@ -1,0 +1,81 @@
+"""`hf-blockdiff generate` on a tiny checkpoint with a character tokenizer (in-process through `cli.main`)."""
+
+import json
+
+import pytest
+
+from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.checkpoint import load_pretrained
+from hf_blockdiff.cli import main
+from hf_blockdiff.completions import complete
+
+FLAGS = ["--max-new-tokens", "8", "--threshold", "0.6", "--eos-token-id"]
+CFG = BlockDiffusionConfig(max_new_tokens=8, threshold=0.6, eos_token_id=[])
+PROMPTS = ["hello", "x = 1", "abc def", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint):
+    model, tokenizer = load_pretrained(str(checkpoint))
+    return {chat: [c.text for c in complete(model, PROMPTS, CFG, tokenizer, chat=chat)] for chat in (False, True)}
+
+
+def write_jsonl(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return str(path)
+
+
+def test_prompt_prints_the_completion(checkpoint, expected, capsys):
+    assert main(["generate", "--model", str(checkpoint), "--prompt", PROMPTS[0], *FLAGS]) == 0
+    out, err = capsys.readouterr()
+    assert out == expected[False][0] + "\n"
+    assert "generate:" not in err  # one batch: no progress bar
+
+
+def test_input_jsonl_keeps_the_order(checkpoint, expected, tmp_path, capsys):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p} for p in PROMPTS])
+    output = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(checkpoint), "--input", source, "--output", str(output), "--batch-size", "1"]
+    assert main(argv + FLAGS) == 0
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["prompt"] for r in records] == PROMPTS
+    assert [r["completion"] for r in records] == expected[False]
+    assert "generate:" in capsys.readouterr().err  # four batches: a progress bar
+
+
+def test_chat_formats_with_the_template(checkpoint, expected, tmp_path, capsys):
+    records = [{"prompt": PROMPTS[0]}, {"messages": [{"role": "user", "content": PROMPTS[1]}]}]
+    source = write_jsonl(tmp_path / "chat.jsonl", records)
+    assert main(["generate", "--model", str(checkpoint), "--input", source, "--chat", *FLAGS]) == 0
+    printed = [json.loads(line)["completion"] for line in capsys.readouterr().out.splitlines()]
+    assert printed == expected[True][:2] and printed != expected[False][:2]
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("missing-model", "is not a directory holding a checkpoint"),
+        ("bad-line", "bad.jsonl:2: not a JSON object"),
+        ("no-prompt", "bad.jsonl:1: each line needs a 'prompt' string or a 'messages' list"),
+        ("strategy", "strategy='fastest' is invalid: choose one of"),
+        ("messages-without-chat", "Chat-message prompts need chat=True (--chat)"),
+    ],
+)
+def test_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case, message):
+    bad = tmp_path / "bad.jsonl"
+    model, source, extra = str(checkpoint), ["--prompt", "hi"], []
+    if case == "missing-model":
+        model = str(tmp_path / "nowhere")
+    elif case == "bad-line":
+        bad.write_text('{"prompt": "ok"}\n{"prompt": oops}\n')
+        source = ["--input", str(bad)]
+    elif case == "no-prompt":
+        bad.write_text('{"text": "hi"}\n')
+        source = ["--input", str(bad)]
+    elif case == "strategy":
+        extra = ["--strategy", "fastest"]
+    else:
+        source = ["--input", write_jsonl(bad, [{"messages": [{"role": "user", "content": "hi"}]}])]
+    assert main(["generate", "--model", model, *source, *extra]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("hf-blockdiff: error: ") and message in err[-1]
