@@ -4,7 +4,7 @@ The reference loop is how SDAR's generate.py decodes with stock transformers: a 
 read-only denoise forwards (the block's K/V are cropped away again) and one store forward per block, the whole
 vocabulary softmaxed in fp32 for every position of the block. Both decode the same random prompts with
 `low_confidence_static`-style schedules; the report gives tok/s, ms per forward, forwards (NFE), tokens per forward
-(TPF), peak memory and the speedup, with the exact settings.
+(TPF, per prompt), peak memory and the speedup, with the exact settings.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class Measurement:
     seconds: float
     forwards: int
     tokens: int
+    rows: int
     peak_gib: float
 
     @property
@@ -47,7 +48,7 @@ class Measurement:
 
     def row(self) -> dict:
         return {**asdict(self), "tok_s": round(self.tok_s, 1), "ms_per_forward": round(1e3 * self.seconds / self.forwards, 2),
-                "tokens_per_forward": round(self.tokens / self.forwards, 3)}
+                "tokens_per_forward": round(self.tokens / self.forwards / self.rows, 3)}
 
 
 def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype):
@@ -72,7 +73,7 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _measure(name: str, run, device: str, tokens: int) -> Measurement:
+def _measure(name: str, run, device: str, tokens: int, rows: int) -> Measurement:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     _synchronize(device)
@@ -81,7 +82,7 @@ def _measure(name: str, run, device: str, tokens: int) -> Measurement:
     _synchronize(device)
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else 0.0
-    return Measurement(name, seconds, forwards, tokens, round(peak, 2))
+    return Measurement(name, seconds, forwards, tokens, rows, round(peak, 2))
 
 
 def _commit_top(x, logits, masked, count, mask_id):
@@ -172,11 +173,12 @@ def bench(args) -> dict:
     def ours():
         return model.generate_multi_block(prompts, cfg, return_dict=True).num_forwards
 
-    first = _measure("hf_blockdiff (first call)", ours, device, tokens)
-    results.append(_measure("hf_blockdiff", ours, device, tokens))
+    first = _measure("hf_blockdiff (first call)", ours, device, tokens, args.batch_size)
+    results.append(_measure("hf_blockdiff", ours, device, tokens, args.batch_size))
     free_cache(model)  # the reference gets the memory of our KV cache and graphs
     if not args.skip_reference:
-        results.append(_measure("plain HF reference", lambda: reference(model, prompts, cfg), device, tokens))
+        results.append(_measure("plain HF reference", lambda: reference(model, prompts, cfg), device, tokens,
+                                args.batch_size))
     report = {
         "settings": {key: value for key, value in vars(args).items() if key not in ("run", "json")},
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",

@@ -79,3 +79,14 @@ def test_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case, mess
     assert main(["generate", "--model", model, *source, *extra]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("hf-blockdiff: error: ") and message in err[-1]
+
+
+def test_bench_reports_both_loops(capsys):
+    code = main(["bench", "--shape", "tiny", "--batch-size", "2", "--prompt-len", "9", "--new-tokens", "8",
+                 "--device", "cpu", "--dtype", "float32", "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and [r["name"] for r in report["results"]] == ["hf_blockdiff", "plain HF reference"]
+    ours, reference = report["results"]
+    # prefill + blocks of 3, 4, 4 masks (the first holds the prompt tail); the reference adds a store forward each
+    assert ours["forwards"] == 1 + 11 and reference["forwards"] == 1 + 11 + 3
+    assert ours["tokens"] == reference["tokens"] == 16 and report["speedup"] > 0
