@@ -10,13 +10,11 @@ config's `architectures` and `auto_map["AutoModel"]` name; there is no `AutoMode
 from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
-from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
-from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
 
 from .attention import BidirectionalDecoder
 from .profiles import ModelProfile
-from .released import CompleteCheckpoint, ReleasedConfig
+from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
 
 PROFILE = ModelProfile(
     mask_token_id=151666, attention="bidirectional", alignment="prompt_end", logit_shift=True,
@@ -37,14 +35,8 @@ class DreamBaseModel(CompleteCheckpoint, BidirectionalDecoder, Qwen2Model):
     config_class = DreamConfig
 
 
-class DreamModel(CompleteCheckpoint, Qwen2ForCausalLM):
+class DreamModel(CompleteCheckpoint, OwnDecoderLM, Qwen2ForCausalLM):
     """Qwen2 causal LM on `DreamBaseModel`; loads the released Dream checkpoints (weights unchanged)."""
 
     config_class = DreamConfig
-
-    def __init__(self, config: DreamConfig):
-        Qwen2PreTrainedModel.__init__(self, config)  # the stock __init__ with our base model, built once
-        self.model = DreamBaseModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+    decoder_class = DreamBaseModel

@@ -10,13 +10,11 @@ tokens attend to each other fully. Our `Fast_dLLM_QwenModel` applies the same bl
 from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
-from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
-from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
 
 from .attention import BlockCausalDecoder
 from .profiles import ModelProfile
-from .released import CompleteCheckpoint, ReleasedConfig
+from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
 
 PROFILE = ModelProfile(
     mask_token_id=151665, attention="block_causal", alignment="absolute", logit_shift=True,
@@ -38,15 +36,9 @@ class Fast_dLLM_QwenModel(CompleteCheckpoint, BlockCausalDecoder, Qwen2Model):
     config_class = Fast_dLLM_QwenConfig
 
 
-class Fast_dLLM_QwenForCausalLM(CompleteCheckpoint, Qwen2ForCausalLM):
+class Fast_dLLM_QwenForCausalLM(CompleteCheckpoint, OwnDecoderLM, Qwen2ForCausalLM):
     """Qwen2 causal LM on `Fast_dLLM_QwenModel`; loads the released Fast-dLLM v2 checkpoints (weights unchanged)."""
 
     config_class = Fast_dLLM_QwenConfig
     _supports_flash_attn = False
-
-    def __init__(self, config: Fast_dLLM_QwenConfig):
-        Qwen2PreTrainedModel.__init__(self, config)  # the stock __init__ with our base model, built once
-        self.model = Fast_dLLM_QwenModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+    decoder_class = Fast_dLLM_QwenModel

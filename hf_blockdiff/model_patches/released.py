@@ -8,6 +8,9 @@ that lacks some of their weights.
 
 from __future__ import annotations
 
+from torch import nn
+from transformers import PreTrainedModel
+
 
 class ReleasedConfig:
     """Mixin for a `PreTrainedConfig` subclass (put it first in the bases).
@@ -62,3 +65,21 @@ class CompleteCheckpoint:
                 f"{cls.__name__}.from_pretrained: the checkpoint has no weights for {sorted(info['missing_keys'])}."
             )
         return (model, info) if output_loading_info else model
+
+
+class OwnDecoderLM:
+    """Mixin for a stock causal-LM class (put it before the stock class in the bases) whose decoder is our
+    `decoder_class`: the stock `__init__` would build the stock decoder first and throw it away. `config_attributes`
+    are copied from the config as the stock `__init__` does."""
+
+    decoder_class: type
+    config_attributes: tuple[str, ...] = ()
+
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)
+        self.model = self.decoder_class(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        for name in self.config_attributes:
+            setattr(self, name, getattr(config, name))
+        self.post_init()

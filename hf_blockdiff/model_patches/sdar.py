@@ -10,13 +10,11 @@ reference prefill and denoising steps see.
 from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
-from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
-from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
 
 from .attention import BlockCausalDecoder
 from .profiles import ModelProfile
-from .released import CompleteCheckpoint, ReleasedConfig
+from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
 
 PROFILE = ModelProfile(
     mask_token_id=151669, attention="block_causal", alignment="absolute", logit_shift=False,
@@ -38,15 +36,9 @@ class SDARModel(CompleteCheckpoint, BlockCausalDecoder, Qwen3Model):
     config_class = SDARConfig
 
 
-class SDARForCausalLM(CompleteCheckpoint, Qwen3ForCausalLM):
+class SDARForCausalLM(CompleteCheckpoint, OwnDecoderLM, Qwen3ForCausalLM):
     """Qwen3 causal LM on `SDARModel`; loads the released SDAR checkpoints (weights unchanged)."""
 
     config_class = SDARConfig
     _supports_flash_attn = False
-
-    def __init__(self, config: SDARConfig):
-        Qwen3PreTrainedModel.__init__(self, config)  # the stock __init__ with our base model, built once
-        self.model = SDARModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+    decoder_class = SDARModel

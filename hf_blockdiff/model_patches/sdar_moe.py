@@ -10,12 +10,10 @@ names at load time (and back at save time) with a conversion registered for its 
 from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
-from torch import nn
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeModel
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoePreTrainedModel
 
 from .attention import BlockCausalDecoder
-from .released import CompleteCheckpoint, ReleasedConfig
+from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
 
 
 @strict
@@ -38,21 +36,13 @@ class SDARMoeModel(CompleteCheckpoint, BlockCausalDecoder, Qwen3MoeModel):
     config_class = SDARMoeConfig
 
 
-class SDARMoeForCausalLM(CompleteCheckpoint, Qwen3MoeForCausalLM):
+class SDARMoeForCausalLM(CompleteCheckpoint, OwnDecoderLM, Qwen3MoeForCausalLM):
     """Qwen3-MoE causal LM on `SDARMoeModel`."""
 
     config_class = SDARMoeConfig
     _supports_flash_attn = False
-
-    def __init__(self, config: SDARMoeConfig):
-        Qwen3MoePreTrainedModel.__init__(self, config)  # the stock __init__ with our base model, built once
-        self.model = SDARMoeModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.router_aux_loss_coef = config.router_aux_loss_coef
-        self.num_experts = config.num_experts
-        self.num_experts_per_tok = config.num_experts_per_tok
-        self.post_init()
+    decoder_class = SDARMoeModel
+    config_attributes = ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")
 
 
 def register_expert_conversion() -> None:
