@@ -23,8 +23,9 @@ ATTENTION_NAME = "hf_blockdiff"
 HOW_TO_GET = {
     "triton": "install triton (`pip install triton`; CUDA builds of torch bundle it); on CPU it runs only under "
     "TRITON_INTERPRET=1, for testing",
-    "flash_attn": "install flash-attn (`pip install hf-blockdiff[flash]`)",
-    "flex": "use torch >= 2.5 on a CUDA device",
+    "flash_attn": "this version has no FlashAttention backend yet (flash-attn's paged kernels could not be built or "
+    "tested here); use attention_backend='triton', which is exact and at the bandwidth bound for decode windows",
+    "flex": "this version has no FlexAttention backend yet; use attention_backend='triton'",
 }
 
 
