@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import bench
+from . import bench, demo
 from .checkpoint import DTYPES, load_pretrained
 from .distributed import generate_distributed, process_state
 from .config import BlockDiffusionConfig
@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(gen)
     gen.set_defaults(run=run_generate)
     bench.add_parser(commands)
+    demo.add_parsers(commands)
     evaluate = commands.add_parser("lm-eval", add_help=False, help="lm-evaluation-harness with the hf-blockdiff "
                                    "model registered; lm_eval's arguments follow (needs `pip install lm-eval`)")
     evaluate.set_defaults(run=run_lm_eval)

@@ -147,7 +147,9 @@ def test_rl_outputs_match_the_reference(qwen3):
     assert out.commit_step[0].tolist() == [record[i][0] for i in range(12)]
     torch.testing.assert_close(out.logprobs[0].exp(), torch.tensor([record[i][1] for i in range(12)]))
     torch.testing.assert_close(out.entropies[0], torch.tensor([record[i][2] for i in range(12)]), rtol=1e-4, atol=1e-5)
-    assert (out.logprobs <= 0).all() and out.tokens_per_forward == pytest.approx(12 / out.num_forwards)
+    blocks = 19 // 4 - 7 // 4 + 1  # decode blocks of prompt 7 + 12 tokens; each gets a store forward (sdar)
+    assert int(out.steps[0]) == out.num_forwards - 1 - blocks  # minus the prefill and the store forwards
+    assert (out.logprobs <= 0).all() and out.tokens_per_forward == pytest.approx((blocks * 4 - 3) / int(out.steps[0]))
 
 
 def test_rl_outputs_after_a_stop(qwen3):

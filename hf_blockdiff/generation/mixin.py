@@ -21,7 +21,10 @@ class BlockDiffusionOutput(ModelOutput):
     """`sequences` [B, P + N]: the prompt as given, then the generated tokens (`pad_token_id` after the first stop
     token). Per generated position [B, N]: `commit_step` (1-based forward index that committed it, -1 if never
     generated), `logprobs` (log-probability of the committed token under the distribution it was drawn from),
-    `entropies`. `num_forwards` counts every model forward of the call, prefill included."""
+    `entropies`. `num_forwards` counts every model forward of the call, prefill and store forwards included; `steps`
+    [B] the decoding steps of each prompt (forwards that decided its tokens), and `tokens_per_forward` is tokens committed
+    per decoding step (TPF; the rest of the stop token's block counts: it was decoded), independent of how long the
+    other prompts of the batch run."""
 
     sequences: torch.LongTensor | None = None
     num_forwards: int | None = None
@@ -29,6 +32,7 @@ class BlockDiffusionOutput(ModelOutput):
     commit_step: torch.LongTensor | None = None
     logprobs: torch.FloatTensor | None = None
     entropies: torch.FloatTensor | None = None
+    steps: torch.LongTensor | None = None
 
 
 def model_profile(model) -> ModelProfile:
@@ -123,11 +127,11 @@ class BlockDiffusionGenerationMixin:
         sequences = torch.cat([input_ids, results.tokens], dim=1)
         if not return_dict:
             return sequences
-        kept = results.commit_step >= 0
         return BlockDiffusionOutput(
             sequences=sequences,
             num_forwards=results.num_forwards,
-            tokens_per_forward=int(kept.sum()) / max(results.num_forwards, 1),
+            tokens_per_forward=int(results.committed.sum()) / max(int(results.steps.sum()), 1),
+            steps=results.steps,
             commit_step=results.commit_step,
             logprobs=results.logprobs,
             entropies=results.entropies,

@@ -32,6 +32,8 @@ class Results:
     logprobs: torch.Tensor
     entropies: torch.Tensor
     num_forwards: int
+    steps: torch.Tensor  # [N] decoding steps of each prompt (forwards that decided its tokens)
+    committed: torch.Tensor  # [N] tokens committed for each prompt (those after its stop token included)
 
 
 def request_seeds(count: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -90,6 +92,8 @@ class Engine:
             logprobs=torch.zeros(len(prompts), new, device=device),
             entropies=torch.zeros(len(prompts), new, device=device),
             num_forwards=0,
+            steps=torch.zeros(len(prompts), dtype=torch.long, device=device),
+            committed=torch.zeros(len(prompts), dtype=torch.long, device=device),
         )
         start_forwards = self.decoder.num_forwards
         owner = [-1] * state.num_rows  # prompt index held by each slot
@@ -142,6 +146,8 @@ class Engine:
         results.commit_step[request] = commit_step
         results.logprobs[request] = state.logprob[slot, index].masked_fill(~kept, 0.0)
         results.entropies[request] = state.entropy[slot, index].masked_fill(~kept, 0.0)
+        results.steps[request] = state.draws[slot]
+        results.committed[request] = (state.commit_step[slot, : state.width] >= 0).sum()
 
 
 def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], max_batch_size: int | None,

@@ -50,7 +50,7 @@ class DecodeState:
         self.commit_step = zeros(rows, width + 1, fill=-1)
         self.logprob = zeros(rows, width + 1, dtype=torch.float32)
         self.entropy = zeros(rows, width + 1, dtype=torch.float32)
-        self.added, self.stored, self.draws = zeros(rows), zeros(rows), zeros(rows)
+        self.added, self.stored, self.draws = zeros(rows), zeros(rows), zeros(rows)  # draws: decoding steps
         self.full = zeros(rows, max_blocks, dtype=torch.bool)
         self.forced_steps = zeros(rows, max_blocks)
         self.done = zeros(rows, dtype=torch.bool, fill=True)
