@@ -50,8 +50,6 @@ class PagedBlockCache(Cache):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.num_pages = 0
-        self.free_pages: list[int] = []
-        self.row_pages: list[list[int]] = []
         self.page_table = torch.zeros(0, 0, dtype=torch.int32)
         self.committed = torch.zeros(0, dtype=torch.long)
         self.plan: ForwardPlan | None = None
@@ -59,35 +57,20 @@ class PagedBlockCache(Cache):
     # -- rows and pages ---------------------------------------------------------------------------------------
 
     def start(self, row_tokens: list[int], device: torch.device) -> None:
-        """Begin a batch whose row r holds up to row_tokens[r] tokens: one page table per row, all committed 0."""
+        """Begin a batch whose row r holds up to row_tokens[r] tokens: each row gets its own pages (kept for the next
+        prompt of the row), all committed lengths 0."""
         pages = [math.ceil(n / self.page_size) for n in row_tokens]
-        needed = 1 + sum(pages)
-        if needed > self.num_pages:
-            self.num_pages = needed
+        if 1 + sum(pages) > self.num_pages:
+            self.num_pages = 1 + sum(pages)
             self.keys = [None] * self.num_layers
             self.values = [None] * self.num_layers
-        self.free_pages = list(range(self.num_pages - 1, SCRATCH_PAGE, -1))
-        self.page_table = torch.full((len(row_tokens), max(pages, default=0) or 1), SCRATCH_PAGE, dtype=torch.int32)
-        self.row_pages = [[] for _ in row_tokens]
+        table = torch.full((len(row_tokens), max(pages, default=0) or 1), SCRATCH_PAGE, dtype=torch.int32)
+        first = SCRATCH_PAGE + 1
         for row, count in enumerate(pages):
-            self.allocate(row, count)
-        self.page_table = self.page_table.to(device)
+            table[row, :count] = torch.arange(first, first + count, dtype=torch.int32)
+            first += count
+        self.page_table = table.to(device)
         self.committed = torch.zeros(len(row_tokens), dtype=torch.long, device=device)
-
-    def allocate(self, row: int, num_pages: int) -> None:
-        if num_pages > len(self.free_pages):
-            raise ValueError(
-                f"The KV cache has {len(self.free_pages)} free pages of {self.page_size} tokens; row {row} needs "
-                f"{num_pages}. Lower the batch size or max_new_tokens."
-            )
-        taken = [self.free_pages.pop() for _ in range(num_pages)]
-        self.row_pages[row] = taken
-        self.page_table[row, : len(taken)] = torch.tensor(taken, dtype=torch.int32, device=self.page_table.device)
-
-    def release(self, row: int) -> None:
-        self.free_pages.extend(reversed(self.row_pages[row]))
-        self.row_pages[row] = []
-        self.committed[row] = 0
 
     def commit(self, rows: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """Advance the committed pointer of `rows` by `num_tokens` (written by the last forward)."""

@@ -58,15 +58,13 @@ def test_pages_are_reused_across_calls(qwen3):
     assert torch.equal(first, second)
 
 
-def test_release_returns_pages_and_commit_advances():
+def test_rows_own_their_pages_and_commit_advances():
     cache = PagedBlockCache(num_layers=1, page_size=16)
     cache.start([40, 20], torch.device("cpu"))
-    free = len(cache.free_pages)
-    assert cache.page_table[0, :3].tolist() != cache.page_table[1, :3].tolist()
+    first, second = cache.page_table[0, :3].tolist(), cache.page_table[1, :2].tolist()
+    assert 0 not in first + second and not set(first) & set(second) and cache.num_pages == 1 + 3 + 2
     cache.commit(torch.tensor([1]), torch.tensor([7]))
     assert cache.committed.tolist() == [0, 7] and cache.get_seq_length() == 7
-    cache.release(0)
-    assert len(cache.free_pages) == free + 3 and cache.committed.tolist() == [0, 7]
     cache.crop(-5)
     assert cache.committed.tolist() == [0, 2]
     with pytest.raises(ValueError, match="negative"):

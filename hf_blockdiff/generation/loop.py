@@ -89,11 +89,11 @@ class Decoder:
 
     def _committed(self, chunks: Chunks, has: torch.Tensor, new_length: torch.Tensor, hidden: torch.Tensor) -> None:
         """Slots `has` now have `new_length` final positions in the cache; keep the hidden state before the next."""
-        cache = self.cache
-        cache.committed.copy_(torch.where(has, new_length, cache.committed[: len(has)]))
+        rows = torch.arange(len(has), device=has.device)
+        self.cache.commit(rows, torch.where(has, new_length - self.cache.committed[rows], 0))
         if not self.cfg.logit_shift:
             return
-        index, _ = chunks.locate(torch.arange(len(has), device=has.device), new_length - 1)
+        index, _ = chunks.locate(rows, new_length - 1)
         self.carry.copy_(torch.where(has[:, None], hidden[index], self.carry))
         if self.cfg.first_token_on_store:
             self._first_token(has)
@@ -113,11 +113,12 @@ class Decoder:
 
     # -- one step ----------------------------------------------------------------------------------------------------
 
-    def prepare(self, slots: torch.Tensor) -> None:
+    def prepare(self, slots: torch.Tensor, status: BlockStatus | None = None) -> None:
         """Decide the next forward of `slots` ([R] bool): activate blocks and lay out their windows. The plan lives
-        in fixed buffers, so a captured step can prepare its successor; `chunk_total` is its size."""
+        in fixed buffers, so a captured step can prepare its successor; `chunk_total` is its size. `status` is the
+        canvas's current one when the caller has it."""
         state = self.state
-        status = state.status()
+        status = status or state.status()
         state.activate(status, slots)
         is_added = state.block_index < state.added[:, None]
         active = is_added & ~status.complete & ~state.done[:, None]
@@ -149,8 +150,7 @@ class Decoder:
                 return conditional, None if hidden_uncond is None else hidden_uncond[index]
 
             self.decider.decide(state, status, blocks, hidden_at, logit_capacity)
-        self._finish(state.status())
-        self.prepare(~state.done)
+        self.prepare(~state.done, self._finish(state.status()))
 
     def _spans(self, status: BlockStatus, active: torch.Tensor, store: torch.Tensor):
         """Each slot's window [start, end) (DESIGN §3.2); empty for slots with nothing to do."""
@@ -188,7 +188,8 @@ class Decoder:
             fresh = (chunks.start == 0) & (chunks.end > chunks.start)
             self._committed(chunks, fresh, block_start, hidden)
 
-    def _finish(self, status: BlockStatus) -> None:
+    def _finish(self, status: BlockStatus) -> BlockStatus:
+        """Mark the slots that are done; returns the canvas's status (after the EOS fill, if any)."""
         state = self.state
         if self.cfg.eos_fill and self.stop_ids.numel():
             state.fill_after_stop(self.stop_ids)
@@ -199,3 +200,4 @@ class Decoder:
         if self.stop_ids.numel():
             finished |= state.stopped(status, self.stop_ids)
         state.done |= finished
+        return status

@@ -150,6 +150,7 @@ class _TokenStream:
             raise ValueError("streamer needs a batch of one prompt.")
         self.streamer, self.cfg, self.sent = streamer, cfg, 0
         self.put_draft = getattr(streamer, "put_draft", None)
+        self.stop_ids = torch.tensor(cfg.stop_ids, dtype=torch.long, device=input_ids.device)
         streamer.put(input_ids[0].cpu())
 
     def step(self, state: DecodeState) -> None:
@@ -159,7 +160,7 @@ class _TokenStream:
         if self.put_draft is not None:
             self.put_draft(row.cpu(), ~undecided.cpu())
         ready = int(undecided.int().argmax()) if bool(undecided.any()) else len(row)
-        first, has_stop = state.first_stop(torch.tensor(self.cfg.stop_ids, dtype=torch.long, device=row.device))
+        first, has_stop = state.first_stop(self.stop_ids)
         if bool(has_stop[0]):
             ready = min(ready, int(first[0]) - start + 1)
         if ready > self.sent:

@@ -106,8 +106,9 @@ class Engine:
             if stream is not None:
                 stream.step(state)
             finished = [slot for slot, done in enumerate(state.done.tolist()) if done and owner[slot] >= 0]
+            stops = state.first_stop(self.decoder.stop_ids) if finished else None
             for slot in finished:
-                self._harvest(slot, owner[slot], results)
+                self._harvest(slot, owner[slot], results, stops)
                 owner[slot] = -1
             progress.update(len(finished))
             self._admit(finished, queue, owner, prompts, seeds)
@@ -132,11 +133,11 @@ class Engine:
         loaded[index] = True
         self.decoder.prepare(loaded)
 
-    def _harvest(self, slot: int, request: int, results: Results) -> None:
+    def _harvest(self, slot: int, request: int, results: Results, stops: tuple[torch.Tensor, torch.Tensor]) -> None:
         state, cfg = self.state, self.cfg
         index = state.prompt_len[slot] + torch.arange(cfg.max_new_tokens, device=state.canvas.device)
         tokens = state.canvas[slot, index]
-        first, has_stop = state.first_stop(self.decoder.stop_ids)
+        first, has_stop = stops
         dropped = (has_stop[slot] & (index > first[slot])) | (tokens == cfg.mask_token_id)
         if not cfg.eos_fill:  # with the fill, what follows the stop token is the stop token already
             tokens = tokens.masked_fill(dropped, cfg.pad_token_id)
