@@ -7,6 +7,7 @@ generation the model's own implementation is untouched.
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 
@@ -50,6 +51,7 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     return requested
 
 
+@torch.compiler.disable
 def blockdiff_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -81,25 +83,45 @@ def register() -> None:
 
 # transformers' RMSNorm classes whose forward is exactly kernels.rmsnorm.rms_norm_reference
 STOCK_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm")
+FUSIONS = ("none", "norms", "compile")
 
 
 def _fused_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated decoder layers: the ModuleList with one module per hidden layer."""
+    count = model.config.get_text_config().num_hidden_layers
+    return next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count), [])
+
+
+@functools.cache
+def compiled_forward(layer_type: type):
+    """One torch.compile'd forward per decoder-layer class, shared by every layer of every model of that class.
+    Shapes are dynamic, so windows of any size reuse it; the cache write and the attention run eagerly between the
+    compiled pieces (both are `torch.compiler.disable`d), and the layer index is not specialized on."""
+    return torch.compile(layer_type.forward, dynamic=True)
+
+
 @contextmanager
-def blockdiff_attention(model: torch.nn.Module, fuse_norms: bool = False):
-    """Route the model's attention through hf_blockdiff for the duration of the block (and, with `fuse_norms`,
-    its stock RMSNorms through one fused kernel each); restore everything after."""
+def blockdiff_attention(model: torch.nn.Module, fusion: str = "none"):
+    """Route the model's attention through hf_blockdiff for the duration of the block; with `fusion="norms"` its
+    stock RMSNorms run as one Triton kernel each, with `fusion="compile"` its decoder layers run compiled (inductor
+    fuses norms, rotary embedding and the gated MLP's activation). Everything is restored after."""
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME
-    norms = [m for m in model.modules() if type(m).__name__ in STOCK_RMS_NORMS] if fuse_norms else []
+    norms = [m for m in model.modules() if type(m).__name__ in STOCK_RMS_NORMS] if fusion == "norms" else []
+    layers = decoder_layers(model) if fusion == "compile" else []
     for norm in norms:
         norm.forward = _fused_rms_norm_forward.__get__(norm)
+    for layer in layers:
+        layer.forward = compiled_forward(type(layer)).__get__(layer)
     try:
-        yield
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            yield
     finally:
         config._attn_implementation = previous
-        for norm in norms:
-            del norm.forward
+        for module in norms + layers:
+            del module.forward

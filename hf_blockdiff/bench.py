@@ -162,6 +162,7 @@ def bench(args) -> dict:
         decoded_token_threshold=args.decoded_token_threshold, eos_token_id=[], attention_backend=args.attention_backend,
         attention="bidirectional" if bidirectional else "block_causal",
         alignment="prompt_end" if bidirectional else "absolute",
+        compile={"auto": None, "on": True, "off": False}[args.compile],
     )
     reference = llada_loop if bidirectional else reference_loop
     generator = torch.Generator().manual_seed(0)
@@ -228,6 +229,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--strategy", default="low_confidence_static")
     parser.add_argument("--threshold", type=float, default=None)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                        help="torch.compile the decoder layers (auto: with CUDA graphs)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--skip-reference", action="store_true", help="time hf_blockdiff only")

@@ -97,6 +97,7 @@ class PagedBlockCache(Cache):
 
     # -- transformers.Cache API ---------------------------------------------------------------------------------
 
+    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         plan = self.plan
         if self.keys[layer_idx] is None:

@@ -44,6 +44,9 @@ class BlockDiffusionConfig:
     page_size: tokens per KV-cache page. max_cache_tokens: KV-cache capacity in tokens (default: 80 % of the free GPU
     memory on CUDA, unbounded on CPU); it limits how many prompts decode at once. cuda_graphs: replay each decode
     step as a CUDA graph (None: on CUDA with the Triton backend; True off CUDA runs the same fixed-shape step eagerly).
+    compile: run the decoder layers through torch.compile while decoding (inductor fuses norms, rotary embedding and
+    the MLP activation; shapes are dynamic, so it compiles once per layer class). None: with CUDA graphs, unless the
+    model is tensor-parallel. The first call pays the compilation (tens of seconds for a 4B model).
 
     Sampling controls: repetition_penalty (transformers semantics, over the row's decided tokens),
     pos_temp_slope (T_i = T·(1 + slope·i/(B−1)) for position i of a block), confidence ("filtered": probability
@@ -86,6 +89,7 @@ class BlockDiffusionConfig:
     page_size: int = 64
     max_cache_tokens: int | None = None
     cuda_graphs: bool | None = None
+    compile: bool | None = None
     repetition_penalty: float = 1.0
     pos_temp_slope: float = 0.0
     confidence: str = "filtered"
@@ -160,6 +164,9 @@ class BlockDiffusionConfig:
             or (self.block_size is not None and self.block_size % self.sub_block_size)
         ):
             _fail("sub_block_size", self.sub_block_size, "pass a positive divisor of block_size")
+        for name in ("cuda_graphs", "compile"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "pass True, False or None (automatic)")
         if self.logits_processor is not None and not callable(self.logits_processor):
             _fail("logits_processor", self.logits_processor, "pass a transformers LogitsProcessorList")
         eos = self.eos_token_id

@@ -38,3 +38,17 @@ def test_backend_resolution():
     assert "triton" in available_backends(cpu)  # under TRITON_INTERPRET=1, as the tests run
     with pytest.raises(ValueError, match="attention_backend='flash_attn' is not available on cpu: this version has no FlashAttention backend yet.*triton"):
         resolve_backend("flash_attn", cpu)
+
+
+def test_compiled_layers_equal_eager_layers_and_are_restored(qwen3):
+    """torch.compile'd decoder layers (inductor, dynamic shapes: one compilation serves prefill and every window)
+    give the eager tokens; after the call the layers are the model's own again."""
+    ids, mask = left_pad(random_prompts((9, 4, 6), seed=13))
+    base = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, threshold=0.6, eos_token_id=[],
+                                **MODES["multi_block"])
+    eager, compiled = (
+        qwen3.generate_multi_block(ids, base.replace(compile=flag), attention_mask=mask, return_dict=True)
+        for flag in (False, True)
+    )
+    assert torch.equal(eager.sequences, compiled.sequences)
+    assert all("forward" not in vars(layer) for layer in qwen3.model.layers)

@@ -31,14 +31,16 @@ def generate(model, prompts, **settings):
     dict(attention="bidirectional", approx_cache="dual"),
     dict(attention="block_causal", temperature=0.8, top_k=20),
 ])
-def test_triton_and_graphs_equal_eager_sdpa_fp32(mode):
+def test_triton_graphs_and_compile_equal_eager_sdpa_fp32(mode):
     model = tiny_model("qwen3").to(CUDA)
     prompts = random_prompts((9, 4, 6, 13, 5), seed=31)
     eager = generate(model, prompts, attention_backend="sdpa", cuda_graphs=False, **mode)
     triton_eager = generate(model, prompts, attention_backend="triton", cuda_graphs=False, **mode)
-    graphs = generate(model, prompts, attention_backend="triton", cuda_graphs=True, **mode)
+    graphs = generate(model, prompts, attention_backend="triton", cuda_graphs=True, compile=False, **mode)
+    compiled = generate(model, prompts, attention_backend="triton", cuda_graphs=True, compile=True, **mode)
     assert torch.equal(eager.sequences, triton_eager.sequences)
     assert torch.equal(eager.sequences, graphs.sequences)
+    assert torch.equal(eager.sequences, compiled.sequences)
     assert eager.num_forwards == graphs.num_forwards
 
 

@@ -3,8 +3,10 @@ lives on the model (reused across calls, dropped by `free_cache`).
 
 A step (`Decoder.advance` with fixed capacities) has static shapes and no host sync, and it prepares its successor
 into fixed buffers, so one replay runs forward, scoring, strategy, canvas and state updates as one GPU program. The
-host reads back the next step's chunk count (with the done flags) to pick the bucket. Off CUDA the same fixed-shape
-step runs eagerly, which is how the CPU tests check it against the exactly-sized step.
+host reads back the next step's chunk count (with the done flags) to pick the bucket. Where a mode bounds every
+window (single-block block-causal decoding) and the bound is a small forward, whose cost hardly depends on its token
+count, one graph chains `CHAIN_STEPS` steps at the bound with no host round trip between them. Off CUDA the same
+fixed-shape steps run eagerly, which is how the CPU tests check them against the exactly-sized step.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import torch
 
 from .loop import Decoder
+
+CHAIN_STEPS = 8
+SMALL_FORWARD_TOKENS = 64  # up to here a forward reads the weights once however many tokens it holds
 
 
 def capacity_buckets(slots: int, most: int) -> list[int]:
@@ -28,19 +33,28 @@ class StepGraphs:
         self.logit_capacity = state.num_rows * decoder.active_blocks * state.block_size
         most = state.num_rows * -(-(state.width + 1) // decoder.chunk)
         self.buckets = capacity_buckets(state.num_rows, most)
+        bound = decoder.chunk_bound()
+        small = bound is not None and state.num_rows * bound * decoder.chunk <= SMALL_FORWARD_TOKENS
+        self.chain_capacity = state.num_rows * bound if small else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def step(self) -> None:
-        total = int(self.decoder.chunk_total)
-        capacity = next(b for b in self.buckets if b >= total)
+        """One replay: a chain of steps at the bound, or one step in the bucket of its chunk count."""
+        if self.chain_capacity is not None:
+            capacity, steps = self.chain_capacity, CHAIN_STEPS
+        else:
+            total = int(self.decoder.chunk_total)
+            capacity, steps = next(b for b in self.buckets if b >= total), 1
         graph = self.graphs.get(capacity)
         if graph is not None:
             graph.replay()
             return
-        self.decoder.advance(capacity, self.logit_capacity)  # a real step, which also warms this shape up
+        for _ in range(steps):  # real steps, which also warm this shape up
+            self.decoder.advance(capacity, self.logit_capacity)
         if self.capture:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.decoder.advance(capacity, self.logit_capacity)
+                for _ in range(steps):
+                    self.decoder.advance(capacity, self.logit_capacity)
             self.graphs[capacity] = graph

@@ -23,8 +23,9 @@ PREFILL_CHUNK = 128
 
 class Decoder:
     def __init__(self, model, cfg: BlockDiffusionConfig, state: DecodeState, cache: PagedBlockCache, backend: str,
-                 seeds: torch.Tensor):
+                 seeds: torch.Tensor, fusion: str):
         self.model, self.cfg, self.state, self.cache, self.backend = model, cfg, state, cache, backend
+        self.fusion = fusion
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         self.decider = Decider(cfg, model.get_output_embeddings(), seeds)
         self.causal = cfg.attention == "block_causal"
@@ -58,10 +59,9 @@ class Decoder:
             rows = torch.cat([rows, rows + state.num_rows])
             positions, q_limit, valid = positions.repeat(2, 1), q_limit.repeat(2, 1), valid.repeat(2, 1)
         plan = self.cache.plan_forward(rows, positions, valid, q_limit.int(), self.backend)
-        with blockdiff_attention(self.model, fuse_norms=self.backend == "triton"):
+        with blockdiff_attention(self.model, self.fusion):
             out = self.decoder(input_ids=tokens, position_ids=positions, past_key_values=self.cache, use_cache=True,
                                blockdiff_plan=plan)
-        state.forward_index += 1
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
         return hidden.chunk(2) if self.guided else (hidden, None)
 
@@ -84,6 +84,7 @@ class Decoder:
         if not bool((end > 0).any()):
             return
         chunks = plan_chunks(torch.zeros_like(end), end, PREFILL_CHUNK)
+        state.forward_index += 1
         hidden, _ = self.forward(chunks, self.key_limits(chunks))
         self._committed(chunks, end > 0, end, hidden)
 
@@ -139,6 +140,7 @@ class Decoder:
         if chunk_capacity is not None or bool(self.chunk_total):
             status = state.status()
             chunks = plan_chunks(self.span_start, self.span_end, self.chunk, chunk_capacity)
+            state.forward_index += self.chunk_total > 0  # a fixed-shape step with nothing to do is not a forward
             hidden, hidden_uncond = self.forward(chunks, self.key_limits(chunks))
             self._store(chunks, self.store, hidden)
             blocks = self.decider.active_blocks(state, status, self.active, self.active_blocks)
@@ -151,6 +153,13 @@ class Decoder:
 
             self.decider.decide(state, status, blocks, hidden_at, logit_capacity)
         self.prepare(~state.done, self._finish(state.status()))
+
+    def chunk_bound(self) -> int | None:
+        """The most chunks one slot's window can need in any step, where the mode bounds it: single-block
+        block-causal decoding works on its block and, with the fused store, the finished block before it."""
+        if not self.causal or self.active_blocks > 1:
+            return None
+        return -(-self.state.block_size // self.chunk) * (2 if self.cfg.fused_store else 1)
 
     def _spans(self, status: BlockStatus, active: torch.Tensor, store: torch.Tensor):
         """Each slot's window [start, end) (DESIGN §3.2); empty for slots with nothing to do."""

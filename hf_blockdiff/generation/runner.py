@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from ..cache import PagedBlockCache
 from ..config import BlockDiffusionConfig
 from ..kernels.rng import fmix32
+from ..tensor_parallel import tensor_parallel_size
 from .graphs import StepGraphs
 from .loop import Decoder
 from .state import DecodeState, geometry
@@ -65,6 +66,14 @@ def use_graphs(cfg: BlockDiffusionConfig, backend: str, device: torch.device) ->
     return cfg.cuda_graphs
 
 
+def fusion_for(cfg: BlockDiffusionConfig, backend: str, device: torch.device, model) -> str:
+    """How the decoder layers run while decoding: compiled, with fused Triton norms, or as they are."""
+    compile_ = cfg.compile
+    if compile_ is None:
+        compile_ = use_graphs(cfg, backend, device) and device.type == "cuda" and tensor_parallel_size(model) == 1
+    return "compile" if compile_ else "norms" if backend == "triton" else "none"
+
+
 class Engine:
     """A decoder with its state and cache for a fixed number of slots and canvas width."""
 
@@ -75,7 +84,8 @@ class Engine:
         self.cache = PagedBlockCache(model.config.get_text_config().num_hidden_layers, cfg.page_size)
         self.cache.start([width] * (2 * slots if cfg.cfg_scale > 0 else slots), device)
         self.seeds = torch.zeros(slots, dtype=torch.long, device=device)
-        self.decoder = Decoder(model, cfg, self.state, self.cache, backend, self.seeds)
+        fusion = fusion_for(cfg, backend, device, model)
+        self.decoder = Decoder(model, cfg, self.state, self.cache, backend, self.seeds, fusion)
         self.step = self.decoder.advance
         if use_graphs(cfg, backend, device):
             self.step = StepGraphs(self.decoder, capture=device.type == "cuda").step

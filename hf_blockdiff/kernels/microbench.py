@@ -1,6 +1,8 @@
 """Kernel microbenchmarks on SDAR-4B shapes: paged attention vs a dense SDPA reference vs the bandwidth bound,
 and fused scoring vs torch. triton_us and torch_us time plain calls (host overhead included), graph_us the
-Triton call replayed in a CUDA graph; bandwidth_frac = bound_us / graph_us.
+Triton call replayed in a CUDA graph; bandwidth_frac = bound_us / graph_us. flex_us (CUDA only) times compiled
+FlexAttention with a BlockMask on the same problem with K/V already dense per row: a lower bound for a flex backend,
+which would also have to page.
 `python -m hf_blockdiff.kernels.microbench` prints the table on a CUDA device; `run(device="cpu", small=True)`
 is a smoke test under TRITON_INTERPRET=1."""
 
@@ -61,6 +63,24 @@ def _sdpa_reference(q, k_pages, v_pages, page_table, q_limit, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+def _flex_lower_bound_ms(q, k_pages, v_pages, page_table, q_limit, scale):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    length, page_size = int(q_limit.max()), k_pages.shape[1]
+    pos = torch.arange(length, device=q.device)
+    pages = page_table[:, pos // page_size].long()
+    k = k_pages[pages, pos % page_size].transpose(1, 2).contiguous()
+    v = v_pages[pages, pos % page_size].transpose(1, 2).contiguous()
+
+    def visible(b, h, q_idx, kv_idx):
+        return kv_idx < q_limit[b, q_idx]
+
+    mask = create_block_mask(visible, q.shape[0], None, q.shape[2], length, device=q.device)
+    flex = torch.compile(flex_attention)
+    flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)  # compile outside the timed graph
+    return _time_ms(lambda: flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True), "cuda", graph=True)
+
+
 def _bench_attention(batch, prefix, block, page_size, device, bandwidth):
     q, k_pages, v_pages, page_table, q_limit = _paged_inputs(batch, prefix, block, page_size, device)
     args = (q, k_pages, v_pages, page_table, q_limit, HEAD_DIM**-0.5)
@@ -72,9 +92,10 @@ def _bench_attention(batch, prefix, block, page_size, device, bandwidth):
         sdpa_ms = _time_ms(lambda: _sdpa_reference(*args), device)
     except torch.OutOfMemoryError:
         sdpa_ms = float("nan")
+    flex_ms = _flex_lower_bound_ms(*args) if device == "cuda" else float("nan")
     return dict(
         kernel="paged_attention", batch=batch, prefix=prefix, block=block, page_size=page_size,
-        triton_us=triton_ms * 1e3, graph_us=graph_ms * 1e3, torch_us=sdpa_ms * 1e3,
+        triton_us=triton_ms * 1e3, graph_us=graph_ms * 1e3, torch_us=sdpa_ms * 1e3, flex_us=flex_ms * 1e3,
         bound_us=io_bytes / bandwidth * 1e3, bandwidth_frac=io_bytes / bandwidth / graph_ms,
     )
 
@@ -89,7 +110,7 @@ def _bench_scoring(n, vocab, temperature, device, bandwidth):
     torch_ms = _time_ms(lambda: score_reference(*args), device)
     return dict(
         kernel=f"scoring T={temperature}", batch=n, prefix=0, block=0, page_size=0,
-        triton_us=triton_ms * 1e3, graph_us=graph_ms * 1e3, torch_us=torch_ms * 1e3,
+        triton_us=triton_ms * 1e3, graph_us=graph_ms * 1e3, torch_us=torch_ms * 1e3, flex_us=float("nan"),
         bound_us=io_bytes / bandwidth * 1e3, bandwidth_frac=io_bytes / bandwidth / graph_ms,
     )
 
@@ -114,8 +135,8 @@ def run(device="cuda", small=False):
 
 
 def print_table(rows):
-    cols = ["kernel", "batch", "prefix", "block", "page_size", "triton_us", "graph_us", "torch_us", "bound_us",
-            "bandwidth_frac"]
+    cols = ["kernel", "batch", "prefix", "block", "page_size", "triton_us", "graph_us", "torch_us", "flex_us",
+            "bound_us", "bandwidth_frac"]
     print(" ".join(f"{c:>16}" for c in cols))
     for row in rows:
         print(" ".join(f"{row[c]:>16.2f}" if isinstance(row[c], float) else f"{row[c]:>16}" for c in cols))
