@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks behind the README tables, in one go: `benchmarks/gpu_run.sh [tests|kernels|main|extra]`.
+# The GPU checks and benchmarks behind the README tables, in one go: `benchmarks/gpu_run.sh [tests|kernels|main|extra|flash]`.
 # Runs from the repository root on a CUDA machine with torch, transformers, triton installed; writes logs to $OUT.
 set -uo pipefail
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT="${OUT:-/tmp/hf_blockdiff_gpu}"
 mkdir -p "$OUT"
 bench() { python3 -m hf_blockdiff.cli bench --shape sdar-4b --prompt-len 256 "$@" --json | tail -1 | tee -a "$OUT/bench.jsonl"; }
@@ -14,6 +14,9 @@ for part in "${parts[@]}"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
       python3 -m pytest -q -m gpu tests -rA 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    flash)  # the flash_attn backend (needs FlashAttention installed): its GPU tests and the main shapes
+      python3 -m pytest -q -m gpu tests/test_gpu.py -k flash -rA 2>&1 | tee "$OUT/flash_tests.log" | tail -8
+      for b in 1 128; do bench --batch-size "$b" --new-tokens 256 --attention-backend flash_attn --skip-reference; done ;;
     kernels)
       python3 -m hf_blockdiff.cli bench --kernels 2>&1 | tee "$OUT/kernels.txt" ;;
     main)  # the targets: SDAR-4B shapes, bf16, prompt 256, 1024 new tokens, block 4, static 4 steps

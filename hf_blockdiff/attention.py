@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from .cache import ForwardPlan
-from .kernels import TRITON_AVAILABLE
+from .kernels import TRITON_AVAILABLE, flash
 from .kernels.paged_attention import paged_attention
 from .kernels.rmsnorm import rms_norm
 
@@ -24,21 +24,24 @@ ATTENTION_NAME = "hf_blockdiff"
 HOW_TO_GET = {
     "triton": "install triton (`pip install triton`; CUDA builds of torch bundle it); on CPU it runs only under "
     "TRITON_INTERPRET=1, for testing",
-    "flash_attn": "this version has no FlashAttention backend yet (flash-attn's paged kernels could not be built or "
-    "tested here); use attention_backend='triton', which is exact and at the bandwidth bound for decode windows",
-    "flex": "this version has no FlexAttention backend yet; use attention_backend='triton'",
+    "flash_attn": "install FlashAttention (FA2: `pip install flash-attn --no-build-isolation`; FA3: build hopper/ of "
+    "the flash-attention repository; FA4: `pip install flash-attn-4`); it runs on CUDA only",
+    "flex": "FlexAttention was measured and not kept: with K/V already dense it is slower than the paged Triton "
+    "kernel (README, Kernels); use attention_backend='triton'",
 }
 
 
 def available_backends(device: torch.device) -> tuple[str, ...]:
     """Exact backends usable on `device`, slowest first."""
     backends = ["sdpa"]
+    if device.type == "cuda" and flash.load() is not None:
+        backends.append("flash_attn")
     if TRITON_AVAILABLE and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         backends.append("triton")
     return tuple(backends)
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
+def resolve_backend(requested: str, device: torch.device, block_size: int, page_size: int) -> str:
     """The backend to run: `auto` picks the fastest exact one available (sdpa on CPU)."""
     available = available_backends(device)
     if requested == "auto":
@@ -48,6 +51,14 @@ def resolve_backend(requested: str, device: torch.device) -> str:
             f"attention_backend={requested!r} is not available on {device.type}: {HOW_TO_GET[requested]} "
             f"(available here: {', '.join(available)})."
         )
+    if requested == "flash_attn":
+        kernel = flash.load()
+        if page_size % kernel.page_multiple:
+            raise ValueError(f"page_size={page_size}: {kernel.name} reads pages of a multiple of "
+                             f"{kernel.page_multiple} tokens; pass page_size={kernel.page_multiple}.")
+        if block_size > 64 and block_size % 64:
+            raise ValueError(f"block_size={block_size}: the flash_attn backend needs blocks of at most 64 tokens or a "
+                             "multiple of 64 (one key length per 64-token chunk); use attention_backend='triton'.")
     return requested
 
 
@@ -69,6 +80,10 @@ def blockdiff_attention_forward(
     if plan.backend == "triton":
         cache, layer = plan.cache, module.layer_idx
         out = paged_attention(query, cache.keys[layer], cache.values[layer], plan.page_table, plan.q_limit, scaling)
+        return out, None
+    if plan.backend == "flash_attn":
+        out = flash.load().run(query.transpose(1, 2), plan.cache.keys[module.layer_idx],
+                               plan.cache.values[module.layer_idx], plan.key_lengths, plan.page_table, scaling)
         return out, None
     mask = plan.dense_mask(key.shape[2])
     out = F.scaled_dot_product_attention(

@@ -32,6 +32,7 @@ class ForwardPlan:
     page_table: torch.Tensor  # [R, pages] int32 page tables of the window rows
     write_slots: torch.Tensor  # [R * W] flat page-pool slots of the window positions
     read_slots: torch.Tensor | None = None  # [R, Lk] slots of the dense key range (sdpa)
+    key_lengths: torch.Tensor | None = None  # [R] int32 one key length per row (flash_attn: rows are block chunks)
     _dense_mask: torch.Tensor | None = field(default=None, repr=False)
 
     def dense_mask(self, key_length: int) -> torch.Tensor:
@@ -88,6 +89,8 @@ class PagedBlockCache(Cache):
         """Plan a forward whose batch row i holds the tokens at `positions[i]` of cache row `rows[i]`; `valid` marks
         real tokens. Their K/V are written ahead into the rows' pages, where every query reads its keys from."""
         plan = ForwardPlan(q_limit, backend, self, self.page_table[rows], self.slots(rows, positions, valid).reshape(-1))
+        if backend == "flash_attn":
+            plan.key_lengths = q_limit.amax(dim=1).clamp(min=1).int()
         if backend == "sdpa":
             key_length = max(int(q_limit.max()), 1)
             key_positions = torch.arange(key_length, device=q_limit.device).expand(len(rows), key_length)

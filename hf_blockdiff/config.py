@@ -43,7 +43,7 @@ class BlockDiffusionConfig:
     attention_backend: "auto", "sdpa", "triton", "flash_attn" or "flex".
     page_size: tokens per KV-cache page. max_cache_tokens: KV-cache capacity in tokens (default: 80 % of the free GPU
     memory on CUDA, unbounded on CPU); it limits how many prompts decode at once. cuda_graphs: replay each decode
-    step as a CUDA graph (None: on CUDA with the Triton backend; True off CUDA runs the same fixed-shape step eagerly).
+    step as a CUDA graph (None: on CUDA with the triton and flash_attn backends; True off CUDA runs the same fixed-shape step eagerly).
     compile: run the decoder layers through torch.compile while decoding (inductor fuses norms, rotary embedding and
     the MLP activation; shapes are dynamic, so it compiles once per layer class). None: with CUDA graphs, unless the
     model is tensor-parallel. The first call pays the compilation (tens of seconds for a 4B model).

@@ -34,10 +34,10 @@ def test_triton_equals_sdpa(qwen3, mode):
 
 def test_backend_resolution():
     cpu = torch.device("cpu")
-    assert resolve_backend("auto", cpu) == "sdpa"
+    assert resolve_backend("auto", cpu, 4, 64) == "sdpa"
     assert "triton" in available_backends(cpu)  # under TRITON_INTERPRET=1, as the tests run
-    with pytest.raises(ValueError, match="attention_backend='flash_attn' is not available on cpu: this version has no FlashAttention backend yet.*triton"):
-        resolve_backend("flash_attn", cpu)
+    with pytest.raises(ValueError, match="attention_backend=.flash_attn. is not available on cpu: install FlashAttention"):
+        resolve_backend("flash_attn", cpu, 4, 64)
 
 
 def test_compiled_layers_equal_eager_layers_and_are_restored(qwen3):

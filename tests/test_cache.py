@@ -26,11 +26,16 @@ def fresh_kv(model, tokens: torch.Tensor, allowed: torch.Tensor):
 
 @pytest.mark.parametrize("alignment,fused", [("absolute", False), ("absolute", True), ("prompt_end", True)])
 def test_committed_kv_equal_a_fresh_forward(qwen3, alignment, fused):
+    check_committed_kv(qwen3, alignment, fused, "sdpa")
+
+
+def check_committed_kv(qwen3, alignment: str, fused: bool, backend: str):
     prompts = random_prompts((8, 5, 11), seed=4)
     block, new = 4, 13
     ids, mask = left_pad(prompts)
     cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=block, max_new_tokens=new, threshold=0.6,
-                               attention="block_causal", alignment=alignment, fused_store=fused, eos_token_id=[])
+                               attention="block_causal", alignment=alignment, fused_store=fused, eos_token_id=[],
+                               attention_backend=backend)
     out = qwen3.generate_multi_block(ids, cfg, attention_mask=mask)
     committed = qwen3._blockdiff_engine.cache.committed.tolist()
     for row, prompt in enumerate(prompts):

@@ -7,6 +7,7 @@ import torch
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
 from hf_blockdiff.bench import build_model
+from hf_blockdiff.kernels import flash
 from reference_loops import staircase
 
 from helpers import MASK, left_pad, random_prompts, tiny_model
@@ -80,18 +81,52 @@ def test_bf16_4b_shapes_agree_with_sdpa_while_margins_exceed_noise():
     mask = model.config.mask_token_id
     prompt = torch.randint(0, mask - 1, (1, 64), generator=torch.Generator().manual_seed(0)).to(CUDA)
     outputs = {}
-    for backend in ("sdpa", "triton"):
+    for backend in ("sdpa", "triton") + (("flash_attn",) if flash.load() else ()):
         cfg = BlockDiffusionConfig(mask_token_id=mask, block_size=4, max_new_tokens=64, strategy="sequential",
                                    attention="block_causal", eos_token_id=[], attention_backend=backend)
         outputs[backend] = model.generate_multi_block(prompt, cfg)[0]
-    a, b = outputs["sdpa"], outputs["triton"]
-    differ = (a != b).nonzero().flatten()
-    print(f"bf16 sdar-4b: {len(differ)} of 64 generated positions differ; first at {(differ[:1] - 64).tolist()}")
-    if len(differ):
-        first = int(differ[0])
-        canvas = a.clone()
-        canvas[first:] = mask
-        margin = decision_margin(model, canvas, 64, first, 4)
-        print(f"decision margin at the first difference: {margin:.4f}")
-        assert margin < 0.05  # within bf16 noise: both choices are legitimate
+    for backend in set(outputs) - {"sdpa"}:
+        a, b = outputs["sdpa"], outputs[backend]
+        differ = (a != b).nonzero().flatten()
+        print(f"bf16 sdar-4b, {backend}: {len(differ)} of 64 generated positions differ from sdpa; first at "
+              f"{(differ[:1] - 64).tolist()}")
+        if len(differ):
+            first = int(differ[0])
+            canvas = a.clone()
+            canvas[first:] = mask
+            margin = decision_margin(model, canvas, 64, first, 4)
+            print(f"decision margin at the first difference: {margin:.4f}")
+            assert margin < 0.05  # within bf16 noise: both choices are legitimate
     free_cache(model)
+
+
+@pytest.mark.skipif(flash.load() is None, reason="no FlashAttention (FA2/FA3/FA4) installed on this machine")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_paged_call_equals_the_fp64_reference(dtype):
+    """Ragged key lengths (1 .. 4100, padding rows at 1), GQA 32/8, head dim 128, pages of 64 in shuffled order."""
+    gen = torch.Generator(CUDA).manual_seed(7)
+    lengths = torch.tensor([1, 63, 64, 65, 200, 1000, 4100, 1], dtype=torch.int32, device=CUDA)
+    pages_per_row = 65
+    pool = torch.randn(len(lengths) * pages_per_row + 1, 64, 8, 128, generator=gen, device=CUDA)
+    k_pages, v_pages = pool.to(dtype), torch.randn(pool.shape, generator=gen, device=CUDA).to(dtype)
+    table = (torch.randperm(len(lengths) * pages_per_row, generator=gen, device=CUDA) + 1).view(len(lengths), -1)
+    q = torch.randn(len(lengths), 4, 32, 128, generator=gen, device=CUDA).to(dtype)
+    out = flash.load().run(q, k_pages, v_pages, lengths, table.int(), 128**-0.5)
+    ref = flash.flash_paged_reference(q.double(), k_pages.double(), v_pages.double(), lengths, table.int(), 128**-0.5)
+    assert not out.isnan().any()
+    error = (out.double() - ref).norm() / ref.norm()
+    assert error < 1e-2, error
+
+
+@pytest.mark.skipif(flash.load() is None, reason="no FlashAttention (FA2/FA3/FA4) installed on this machine")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_flash_backend_equals_triton_bf16_tiny(graphs):
+    """Tiny bf16 model (FlashAttention has no fp32): every decoding mode gives the Triton backend's tokens."""
+    model = tiny_model("qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    model = model.to(CUDA, torch.bfloat16)
+    prompts = random_prompts((9, 4, 6, 13, 5), seed=33)
+    for mode in (dict(attention="block_causal"), dict(attention="block_causal", fused_store=False),
+                 dict(attention="bidirectional", approx_cache="dual")):
+        outputs = [generate(model, prompts, attention_backend=backend, cuda_graphs=graphs, compile=False, **mode)
+                   for backend in ("triton", "flash_attn")]
+        assert torch.equal(outputs[0].sequences, outputs[1].sequences), mode

@@ -83,7 +83,8 @@ class Decoder:
         end = torch.where(chosen, state.first_block_start, 0)
         if not bool((end > 0).any()):
             return
-        chunks = plan_chunks(torch.zeros_like(end), end, PREFILL_CHUNK)
+        size = self.chunk if self.backend == "flash_attn" else PREFILL_CHUNK  # flash: one key length per row
+        chunks = plan_chunks(torch.zeros_like(end), end, size)
         state.forward_index += 1
         hidden, _ = self.forward(chunks, self.key_limits(chunks))
         self._committed(chunks, end > 0, end, hidden)

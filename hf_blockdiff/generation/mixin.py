@@ -114,7 +114,7 @@ class BlockDiffusionGenerationMixin:
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
             raise ValueError(f"max_batch_size={max_batch_size!r}: pass a positive integer (or None for all prompts).")
         check_tensor_parallel(self)
-        backend = resolve_backend(cfg.attention_backend, device)
+        backend = resolve_backend(cfg.attention_backend, device, cfg.block_size, cfg.page_size)
         stream = _TokenStream(streamer, input_ids, cfg) if streamer is not None else None
         seeds = request_seeds(len(prompts), generator)
         was_training = self.training

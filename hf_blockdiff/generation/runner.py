@@ -57,12 +57,12 @@ def kv_bytes_per_token(model) -> int:
 
 
 def use_graphs(cfg: BlockDiffusionConfig, backend: str, device: torch.device) -> bool:
-    """Fixed-shape steps (CUDA graphs on CUDA): by default on CUDA with the Triton backend; never with a user's
-    logits processor (arbitrary Python)."""
+    """Fixed-shape steps (CUDA graphs on CUDA): by default on CUDA with the paged backends (Triton, FlashAttention);
+    never with a user's logits processor (arbitrary Python)."""
     if cfg.logits_processor is not None:
         return False
     if cfg.cuda_graphs is None:
-        return device.type == "cuda" and backend == "triton"
+        return device.type == "cuda" and backend in ("triton", "flash_attn")
     return cfg.cuda_graphs
 
 

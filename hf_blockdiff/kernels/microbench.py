@@ -2,7 +2,7 @@
 and fused scoring vs torch. triton_us and torch_us time plain calls (host overhead included), graph_us the
 Triton call replayed in a CUDA graph; bandwidth_frac = bound_us / graph_us. flex_us (CUDA only) times compiled
 FlexAttention with a BlockMask on the same problem with K/V already dense per row: a lower bound for a flex backend,
-which would also have to page.
+which would also have to page. flash_us: the installed FlashAttention's paged call (FA2/FA3/FA4), in a CUDA graph.
 `python -m hf_blockdiff.kernels.microbench` prints the table on a CUDA device; `run(device="cpu", small=True)`
 is a smoke test under TRITON_INTERPRET=1."""
 
@@ -12,6 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hf_blockdiff.kernels import flash
 from hf_blockdiff.kernels.paged_attention import paged_attention
 from hf_blockdiff.kernels.scoring import score_reference, score_triton
 
@@ -93,10 +94,16 @@ def _bench_attention(batch, prefix, block, page_size, device, bandwidth):
     except torch.OutOfMemoryError:
         sdpa_ms = float("nan")
     flex_ms = _flex_lower_bound_ms(*args) if device == "cuda" else float("nan")
+    kernel = flash.load() if device == "cuda" else None
+    flash_ms = float("nan")
+    if kernel is not None:
+        flash_args = (q.transpose(1, 2), k_pages, v_pages, q_limit.amax(1), page_table, HEAD_DIM**-0.5)
+        kernel.run(*flash_args)  # compile (FA4) outside the timed graph
+        flash_ms = _time_ms(lambda: kernel.run(*flash_args), device, graph=True)
     return dict(
         kernel="paged_attention", batch=batch, prefix=prefix, block=block, page_size=page_size,
         triton_us=triton_ms * 1e3, graph_us=graph_ms * 1e3, torch_us=sdpa_ms * 1e3, flex_us=flex_ms * 1e3,
-        bound_us=io_bytes / bandwidth * 1e3, bandwidth_frac=io_bytes / bandwidth / graph_ms,
+        flash_us=flash_ms * 1e3, bound_us=io_bytes / bandwidth * 1e3, bandwidth_frac=io_bytes / bandwidth / graph_ms,
     )
 
 
@@ -111,6 +118,7 @@ def _bench_scoring(n, vocab, temperature, device, bandwidth):
     return dict(
         kernel=f"scoring T={temperature}", batch=n, prefix=0, block=0, page_size=0,
         triton_us=triton_ms * 1e3, graph_us=graph_ms * 1e3, torch_us=torch_ms * 1e3, flex_us=float("nan"),
+        flash_us=float("nan"),
         bound_us=io_bytes / bandwidth * 1e3, bandwidth_frac=io_bytes / bandwidth / graph_ms,
     )
 
@@ -136,7 +144,7 @@ def run(device="cuda", small=False):
 
 def print_table(rows):
     cols = ["kernel", "batch", "prefix", "block", "page_size", "triton_us", "graph_us", "torch_us", "flex_us",
-            "bound_us", "bandwidth_frac"]
+            "flash_us", "bound_us", "bandwidth_frac"]
     print(" ".join(f"{c:>16}" for c in cols))
     for row in rows:
         print(" ".join(f"{row[c]:>16.2f}" if isinstance(row[c], float) else f"{row[c]:>16}" for c in cols))
