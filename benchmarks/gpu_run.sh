@@ -16,9 +16,11 @@ for part in "${parts[@]}"; do
       python3 -m pytest -q -m gpu tests -rA 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     flash)  # the flash_attn backend (needs FlashAttention installed): its GPU tests and the main shapes
       python3 -m pytest -q -m gpu tests/test_gpu.py -k flash -rA 2>&1 | tee "$OUT/flash_tests.log" | tail -8
-      for b in 1 128; do bench --batch-size "$b" --new-tokens 256 --attention-backend flash_attn --skip-reference; done ;;
+      for backend in triton flash_attn; do for b in 1 128; do
+        bench --batch-size "$b" --new-tokens 256 --attention-backend "$backend" --skip-reference; done; done ;;
     kernels)
-      python3 -m hf_blockdiff.cli bench --kernels 2>&1 | tee "$OUT/kernels.txt" ;;
+      python3 -m hf_blockdiff.cli bench --kernels 2>&1 | tee "$OUT/kernels.txt"
+      python3 -m hf_blockdiff.cli bench --kernels --flex 2>&1 | tee "$OUT/kernels_flex.txt" ;;
     main)  # the targets: SDAR-4B shapes, bf16, prompt 256, 1024 new tokens, block 4, static 4 steps
       bench --batch-size 1 --new-tokens 1024
       bench --batch-size 128 --new-tokens 1024 ;;

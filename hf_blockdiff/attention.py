@@ -26,8 +26,6 @@ HOW_TO_GET = {
     "TRITON_INTERPRET=1, for testing",
     "flash_attn": "install FlashAttention (FA2: `pip install flash-attn --no-build-isolation`; FA3: build hopper/ of "
     "the flash-attention repository; FA4: `pip install flash-attn-4`); it runs on CUDA only",
-    "flex": "FlexAttention was measured and not kept: with K/V already dense it is slower than the paged Triton "
-    "kernel (README, Kernels); use attention_backend='triton'",
 }
 
 

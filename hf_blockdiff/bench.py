@@ -206,7 +206,7 @@ def run_bench(args) -> None:
     if args.kernels:
         from .kernels import microbench
 
-        microbench.print_table(microbench.run(device=args.device))
+        microbench.print_table(microbench.run(device=args.device, flex=args.flex))
         return
     report = bench(args)
     print(json.dumps(report) if args.json else "", end="\n" if args.json else "")
@@ -235,5 +235,6 @@ def add_parser(commands) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--skip-reference", action="store_true", help="time hf_blockdiff only")
     parser.add_argument("--kernels", action="store_true", help="run the kernel microbenchmarks instead")
+    parser.add_argument("--flex", action="store_true", help="with --kernels: add compiled FlexAttention")
     parser.add_argument("--json", action="store_true")
     parser.set_defaults(run=run_bench)

@@ -13,7 +13,7 @@ FALLBACKS = ("topk", "leftmost")
 CONFIDENCE_SOURCES = ("filtered", "unfiltered", "raw")
 APPROX_CACHES = ("none", "prefix", "dual")
 SCORE_PRECISIONS = ("float32", "float64")
-ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flash_attn", "flex")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flash_attn")
 
 # fields a model profile may fill in when the user leaves them unset
 PROFILE_FIELDS = ("mask_token_id", "block_size", "attention", "alignment", "logit_shift", "eos_token_id", "pad_token_id")
@@ -40,7 +40,8 @@ class BlockDiffusionConfig:
     eos_token_id / pad_token_id / early_stop: stop ids, the id written after the first stop token, and whether a
     row ends once the block holding its first stop token is complete.
     fused_store: store a finished block's K/V in the next block's first forward (token-identical, fewer forwards).
-    attention_backend: "auto", "sdpa", "triton", "flash_attn" or "flex".
+    attention_backend: "auto" (Triton on CUDA, sdpa on CPU), "sdpa", "triton" or "flash_attn" (FA2/FA3/FA4 if
+    installed). FlexAttention was measured as a candidate and not kept (README, Kernels).
     page_size: tokens per KV-cache page. max_cache_tokens: KV-cache capacity in tokens (default: 80 % of the free GPU
     memory on CUDA, unbounded on CPU); it limits how many prompts decode at once. cuda_graphs: replay each decode
     step as a CUDA graph (None: on CUDA with the triton and flash_attn backends; True off CUDA runs the same fixed-shape step eagerly).

@@ -1,6 +1,6 @@
 """Kernel microbenchmarks on SDAR-4B shapes: paged attention vs a dense SDPA reference vs the bandwidth bound,
 and fused scoring vs torch. triton_us and torch_us time plain calls (host overhead included), graph_us the
-Triton call replayed in a CUDA graph; bandwidth_frac = bound_us / graph_us. flex_us (CUDA only) times compiled
+Triton call replayed in a CUDA graph; bandwidth_frac = bound_us / graph_us. flex_us (with `flex=True`) times compiled
 FlexAttention with a BlockMask on the same problem with K/V already dense per row: a lower bound for a flex backend,
 which would also have to page. flash_us: the installed FlashAttention's paged call (FA2/FA3/FA4), in a CUDA graph.
 `python -m hf_blockdiff.kernels.microbench` prints the table on a CUDA device; `run(device="cpu", small=True)`
@@ -64,25 +64,27 @@ def _sdpa_reference(q, k_pages, v_pages, page_table, q_limit, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def _flex_lower_bound_ms(q, k_pages, v_pages, page_table, q_limit, scale):
+def _flex_lower_bound_ms(q, k_pages, v_pages, page_table, q_limit, scale, device="cuda"):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    length, page_size = int(q_limit.max()), k_pages.shape[1]
+    page_size = k_pages.shape[1]
+    length = -(-int(q_limit.max()) // 128) * 128  # whole flex blocks; the mask hides the padding keys
     pos = torch.arange(length, device=q.device)
-    pages = page_table[:, pos // page_size].long()
-    k = k_pages[pages, pos % page_size].transpose(1, 2).contiguous()
-    v = v_pages[pages, pos % page_size].transpose(1, 2).contiguous()
+    pages = page_table[:, (pos // page_size).clamp(max=page_table.shape[1] - 1)].long()
+    k, v = (pool[pages, pos % page_size].transpose(1, 2).contiguous() for pool in (k_pages, v_pages))
+    q = q.contiguous()
+    lengths = q_limit.amax(1)  # every query of a row sees the same keys here (flex pads the queries)
 
     def visible(b, h, q_idx, kv_idx):
-        return kv_idx < q_limit[b, q_idx]
+        return kv_idx < lengths[b]
 
     mask = create_block_mask(visible, q.shape[0], None, q.shape[2], length, device=q.device)
     flex = torch.compile(flex_attention)
     flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)  # compile outside the timed graph
-    return _time_ms(lambda: flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True), "cuda", graph=True)
+    return _time_ms(lambda: flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True), device, graph=True)
 
 
-def _bench_attention(batch, prefix, block, page_size, device, bandwidth):
+def _bench_attention(batch, prefix, block, page_size, device, bandwidth, flex=False):
     q, k_pages, v_pages, page_table, q_limit = _paged_inputs(batch, prefix, block, page_size, device)
     args = (q, k_pages, v_pages, page_table, q_limit, HEAD_DIM**-0.5)
     kv_bytes = 2 * batch * (prefix + block) * HKV * HEAD_DIM * 2
@@ -93,7 +95,7 @@ def _bench_attention(batch, prefix, block, page_size, device, bandwidth):
         sdpa_ms = _time_ms(lambda: _sdpa_reference(*args), device)
     except torch.OutOfMemoryError:
         sdpa_ms = float("nan")
-    flex_ms = _flex_lower_bound_ms(*args) if device == "cuda" else float("nan")
+    flex_ms = _flex_lower_bound_ms(*args, device) if flex else float("nan")
     kernel = flash.load() if device == "cuda" else None
     flash_ms = float("nan")
     if kernel is not None:
@@ -123,8 +125,9 @@ def _bench_scoring(n, vocab, temperature, device, bandwidth):
     )
 
 
-def run(device="cuda", small=False):
-    """Benchmark rows as dicts; `small` shrinks every shape so the interpreter can run it."""
+def run(device="cuda", small=False, flex=False):
+    """Benchmark rows as dicts; `small` shrinks every shape so the interpreter can run it; `flex` adds the
+    FlexAttention column (a compilation per shape)."""
     bandwidth = _bandwidth(device, 2**20 if small else 2**30)
     prefixes, batches, pages = ([32], [2], [16]) if small else ([512, 2048, 8192], [1, 32, 128], [64])
     rows = []
@@ -132,7 +135,7 @@ def run(device="cuda", small=False):
         for batch in batches:
             for block in (4, 32):
                 for page_size in pages:
-                    rows.append(_bench_attention(batch, prefix, block, page_size, device, bandwidth))
+                    rows.append(_bench_attention(batch, prefix, block, page_size, device, bandwidth, flex))
     if not small:
         for page_size in (16, 128):
             rows.append(_bench_attention(32, 2048, 4, page_size, device, bandwidth))

@@ -108,3 +108,13 @@ def test_large_shapes_gpu(batch, page_size, block, assert_close):
         prefixes[-1] = 8192
         limits = window_limits(prefixes.tolist(), block, num_blocks)
         check(limits, 8, 4, 128, page_size, torch.bfloat16, "cuda", assert_close, seed=num_blocks)
+
+
+def test_microbench_smoke():
+    """`hf-blockdiff bench --kernels` on tiny shapes (interpreter): every row is timed, nothing absent is invented."""
+    from hf_blockdiff.kernels import microbench
+
+    rows = microbench.run(device="cpu", small=True)
+    assert {row["kernel"] for row in rows} == {"paged_attention", "scoring T=0.0", "scoring T=1.0"}
+    assert all(row["triton_us"] > 0 and row["torch_us"] > 0 for row in rows)
+    assert all(math.isnan(row["flex_us"]) and math.isnan(row["flash_us"]) for row in rows)  # CUDA-only columns
