@@ -9,14 +9,12 @@ or re-generate a row.
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import dataclass
 
 import torch
 
 from .config import BlockDiffusionConfig
 from .strategies import strategy_names
-from .tasks import is_correct, make_problems
+from .tasks import make_problems, solve
 
 DEMO_SEED = 1234
 NEW_TOKENS = 8
@@ -29,33 +27,6 @@ STRATEGIES = {
     "multi_block (K=2)": dict(strategy="low_confidence_dynamic", threshold=0.9, max_active_blocks=2,
                               block_add_threshold=0.5, decoded_token_threshold=1.0),
 }
-
-
-@dataclass
-class Solved:
-    accuracy: float
-    num_forwards: int
-    tokens_per_forward: float
-    tok_s: float
-    outputs: list[str]
-
-
-def solve(model, tokenizer, problems: list[tuple[str, str]], cfg: BlockDiffusionConfig) -> Solved:
-    """Decode every problem's prompt in one batch; the text up to the first stop token is the answer."""
-    prompts = [prompt for prompt, _ in problems]
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    start = time.perf_counter()
-    out = model.generate_multi_block(enc.input_ids, cfg, attention_mask=enc.attention_mask, return_dict=True)
-    seconds = time.perf_counter() - start
-    generated = out.sequences[:, enc.input_ids.shape[1]:]
-    texts = [tokenizer.decode(row, skip_special_tokens=True) for row in generated]
-    return Solved(
-        accuracy=sum(is_correct(p, t) for p, t in zip(prompts, texts)) / len(prompts),
-        num_forwards=out.num_forwards,
-        tokens_per_forward=out.tokens_per_forward,
-        tok_s=int((out.commit_step >= 0).sum()) / seconds,
-        outputs=texts,
-    )
 
 
 def load_demo(path: str | None):

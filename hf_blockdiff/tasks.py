@@ -20,9 +20,13 @@ from __future__ import annotations
 import hashlib
 import random
 import string
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerFast
+
+from .config import BlockDiffusionConfig
 
 KINDS = ("add", "sort", "rev")
 SPLITS = ("train", "held_out")
@@ -101,4 +105,31 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     backend.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token=PAD, eos_token=EOS, mask_token=MASK, unk_token=UNK, padding_side="left"
+    )
+
+
+@dataclass
+class Solved:
+    accuracy: float
+    num_forwards: int
+    tokens_per_forward: float
+    tok_s: float
+    outputs: list[str]
+
+
+def solve(model, tokenizer, problems: list[tuple[str, str]], cfg: BlockDiffusionConfig) -> Solved:
+    """Decode every problem's prompt in one batch; the text up to the first stop token is the answer."""
+    prompts = [prompt for prompt, _ in problems]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    start = time.perf_counter()
+    out = model.generate_multi_block(enc.input_ids, cfg, attention_mask=enc.attention_mask, return_dict=True)
+    seconds = time.perf_counter() - start
+    generated = out.sequences[:, enc.input_ids.shape[1]:]
+    texts = [tokenizer.decode(row, skip_special_tokens=True) for row in generated]
+    return Solved(
+        accuracy=sum(is_correct(p, t) for p, t in zip(prompts, texts)) / len(prompts),
+        num_forwards=out.num_forwards,
+        tokens_per_forward=out.tokens_per_forward,
+        tok_s=int((out.commit_step >= 0).sum()) / seconds,
+        outputs=texts,
     )

@@ -33,9 +33,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedTokenizerFast
 
 from .config import BlockDiffusionConfig
-from .demo import solve
 from .model_patches.sdar import SDARConfig, SDARForCausalLM
-from .tasks import build_tokenizer, make_problems, problem_stream
+from .tasks import build_tokenizer, make_problems, problem_stream, solve
 
 EVAL_SEED = 1234
 DEFAULT_STEPS = 3000
