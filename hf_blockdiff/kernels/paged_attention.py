@@ -78,15 +78,18 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
     if out.numel() == 0:
         return out
 
-    # K and V tiles of 16 KiB each, three stages deep: at most 128 KiB of shared memory with the q tile.
+    # K and V tiles of at most 16 KiB each, three stages deep: at most 128 KiB of shared memory with the q tile.
     block_d = max(16, triton.next_power_of_2(D))
     row_bytes = block_d * q.element_size()
-    block_n = max(16, min(64, 16384 // row_bytes))
     rows = group * W
     block_m = 128 if rows >= 128 and row_bytes <= 256 else min(64, max(16, triton.next_power_of_2(rows)))
     m_tiles = triton.cdiv(rows, block_m)
     capacity = page_table.shape[1] * page_size
     splits = num_splits or _auto_splits(R * Hkv * m_tiles, capacity, q.device)
+    if block_m == 128 and row_bytes == 256 and splits == 1:
+        block_n, num_warps = 32, 4  # measured on an H200: ~10 % faster for head dim 128 on a full grid
+    else:
+        block_n, num_warps = max(16, min(64, 16384 // row_bytes)), 8 if block_m == 128 else 4
     split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     if splits > 1:
         part_o = torch.empty(splits, R, W, Hq, D, device=q.device, dtype=torch.float32)
@@ -102,7 +105,7 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
         W, Hkv, split_len, scale * math.log2(math.e),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=splits > 1, DOT_PRECISION=_dot_precision(q),
-        num_warps=8 if block_m == 128 else 4, num_stages=3,
+        num_warps=num_warps, num_stages=3,
     )
     if splits > 1:
         _merge_splits_kernel[(R * W * Hq,)](
