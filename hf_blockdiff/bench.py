@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .config import BlockDiffusionConfig
-from .generation.mixin import model_profile
+from .profiles import model_profile
 from .patching import free_cache
 
 SHAPES = {  # architecture sizes of released checkpoints (random weights; nothing is downloaded)

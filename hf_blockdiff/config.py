@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .model_patches.profiles import ALIGNMENTS, ATTENTIONS, ModelProfile
+from .profiles import ALIGNMENTS, ATTENTIONS, ModelProfile
 from .strategies import STRATEGIES, strategy_names
 
 FALLBACKS = ("topk", "leftmost")

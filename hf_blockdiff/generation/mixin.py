@@ -10,7 +10,7 @@ from transformers.utils import ModelOutput
 from ..attention import resolve_backend
 from ..config import BlockDiffusionConfig
 from ..lora import over_adapters
-from ..model_patches.profiles import ModelProfile, profile_for
+from ..profiles import model_profile
 from ..tensor_parallel import check_tensor_parallel
 from .runner import engine_for, plan_shapes, request_seeds
 from .state import DecodeState
@@ -33,21 +33,6 @@ class BlockDiffusionOutput(ModelOutput):
     logprobs: torch.FloatTensor | None = None
     entropies: torch.FloatTensor | None = None
     steps: torch.LongTensor | None = None
-
-
-def model_profile(model) -> ModelProfile:
-    """The model's decoding profile; the stop and pad ids of the model's own generation config (or config) win over
-    its family's."""
-    generation = getattr(model, "generation_config", None)
-    own = ModelProfile(
-        eos_token_id=_first_set(getattr(generation, "eos_token_id", None), getattr(model.config, "eos_token_id", None)),
-        pad_token_id=_first_set(getattr(generation, "pad_token_id", None), getattr(model.config, "pad_token_id", None)),
-    )
-    return own.merged_over(profile_for(model.config))
-
-
-def _first_set(*values):
-    return next((v for v in values if v is not None), None)
 
 
 def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
 from .attention import BlockCausalDecoder
-from .profiles import ModelProfile
+from ..profiles import ModelProfile
 from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
 
 PROFILE = ModelProfile(

@@ -25,7 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attention_forward
 
 from .attention import bidirectional_mask
-from .profiles import ModelProfile
+from ..profiles import ModelProfile
 from .released import CompleteCheckpoint, ReleasedConfig
 
 PROFILE = ModelProfile(

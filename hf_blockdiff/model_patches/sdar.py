@@ -13,7 +13,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from .attention import BlockCausalDecoder
-from .profiles import ModelProfile
+from ..profiles import ModelProfile
 from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
 
 PROFILE = ModelProfile(

@@ -1,6 +1,6 @@
 """Decoding profiles: what a checkpoint family needs to be decoded correctly.
 
-A profile holds the facts of DESIGN §6 (mask id, block size, attention rule, block alignment, logit shift, stop
+A profile holds the facts of docs/design.md, "Model families" (mask id, block size, attention rule, block alignment, logit shift, stop
 ids). `profile_for(config)` merges, in order of precedence, the attributes the model config carries
 (`mask_token_id`, `block_size`/`bd_size`, ...) over the family defaults registered for its `model_type`.
 """
@@ -71,3 +71,18 @@ def profile_for(config) -> ModelProfile:
     if profile.block_size is not None:
         return profile.merged_over(ModelProfile(attention="block_causal", alignment="absolute", logit_shift=False))
     return profile
+
+
+def model_profile(model) -> ModelProfile:
+    """The decoding profile of a loaded model; the stop and pad ids of the model's own generation config (or config)
+    win over its family's."""
+    generation = getattr(model, "generation_config", None)
+    own = ModelProfile(
+        eos_token_id=_first_set(getattr(generation, "eos_token_id", None), getattr(model.config, "eos_token_id", None)),
+        pad_token_id=_first_set(getattr(generation, "pad_token_id", None), getattr(model.config, "pad_token_id", None)),
+    )
+    return own.merged_over(profile_for(model.config))
+
+
+def _first_set(*values):
+    return next((v for v in values if v is not None), None)
