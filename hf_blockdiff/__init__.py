@@ -9,9 +9,9 @@ does the same for any other causal LM class.
 from . import attention as _attention
 from .cache import PagedBlockCache
 from .config import BlockDiffusionConfig
-from .generation import BlockDiffusionGenerationMixin, BlockDiffusionOutput
+from .generation import BlockDiffusionOutput
 from . import patching as _patching
-from .patching import free_cache, patch_model
+from .patching import BlockDiffusionGenerationMixin, free_cache, patch_model
 
 __version__ = "0.1.0"
 __all__ = [

@@ -1,16 +1,18 @@
-"""`PagedBlockCache`: a paged KV cache for block-diffusion decoding, as a `transformers.Cache` (DESIGN §4).
+"""`PagedBlockCache`: a paged KV cache for block-diffusion decoding, as a `transformers.Cache` (docs/design.md,
+"The cache").
 
 Each layer owns a pool of pages (`[num_pages, page_size, kv_heads, head_dim]` for K and for V, allocated at the
 first `update` so tensor-parallel shards hold their local heads). Every row has a page table and a committed
-length. A forward's `ForwardPlan` says where the window's K/V go: `update` writes them *ahead* of the committed
-pointer and never moves it; `commit` advances it after a forward that computed K/V from final tokens. Page 0 is a
-scratch page that absorbs writes of padding positions.
+length. A forward's `ForwardPlan` (passed to `update` in `cache_kwargs["plan"]`) says where the window's K/V go:
+`update` writes them *ahead* of the committed pointer and never moves it; `commit` advances it after a forward that
+computed K/V from final tokens. Page 0 is a scratch page that absorbs writes of padding positions.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
@@ -26,9 +28,8 @@ class ForwardPlan:
     every query of a block the end of its block; bidirectional ones the whole canvas). 0 marks padding queries.
     """
 
+    backend: Any  # the attention backend that planned the forward and attends in it
     q_limit: torch.Tensor  # [R, W] int32
-    backend: str
-    cache: "PagedBlockCache"
     page_table: torch.Tensor  # [R, pages] int32 page tables of the window rows
     write_slots: torch.Tensor  # [R * W] flat page-pool slots of the window positions
     read_slots: torch.Tensor | None = None  # [R, Lk] slots of the dense key range (sdpa)
@@ -53,7 +54,6 @@ class PagedBlockCache(Cache):
         self.num_pages = 0
         self.page_table = torch.zeros(0, 0, dtype=torch.int32)
         self.committed = torch.zeros(0, dtype=torch.long)
-        self.plan: ForwardPlan | None = None
 
     # -- rows and pages ---------------------------------------------------------------------------------------
 
@@ -73,6 +73,10 @@ class PagedBlockCache(Cache):
         self.page_table = table.to(device)
         self.committed = torch.zeros(len(row_tokens), dtype=torch.long, device=device)
 
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Rows `rows` start a new prompt: nothing of theirs is committed."""
+        self.committed[rows] = 0
+
     def commit(self, rows: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """Advance the committed pointer of `rows` by `num_tokens` (written by the last forward)."""
         self.committed.index_add_(0, rows, num_tokens)
@@ -84,25 +88,14 @@ class PagedBlockCache(Cache):
         slots = pages * self.page_size + positions % self.page_size
         return torch.where(valid, slots, SCRATCH_PAGE * self.page_size)
 
-    def plan_forward(self, rows: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, q_limit: torch.Tensor,
-                     backend: str) -> ForwardPlan:
-        """Plan a forward whose batch row i holds the tokens at `positions[i]` of cache row `rows[i]`; `valid` marks
-        real tokens. Their K/V are written ahead into the rows' pages, where every query reads its keys from."""
-        plan = ForwardPlan(q_limit, backend, self, self.page_table[rows], self.slots(rows, positions, valid).reshape(-1))
-        if backend == "flash_attn":
-            plan.key_lengths = q_limit.amax(dim=1).clamp(min=1).int()
-        if backend == "sdpa":
-            key_length = max(int(q_limit.max()), 1)
-            key_positions = torch.arange(key_length, device=q_limit.device).expand(len(rows), key_length)
-            plan.read_slots = self.slots(rows, key_positions, key_positions < q_limit.max(dim=1, keepdim=True).values)
-        self.plan = plan
-        return plan
-
     # -- transformers.Cache API ---------------------------------------------------------------------------------
 
     @torch.compiler.disable
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        plan = self.plan
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs: dict | None = None):
+        """Write the window's K/V where `cache_kwargs["plan"]` says; returns what its backend reads: the dense key
+        range when the plan has read slots (sdpa), else the window's own K/V."""
+        plan = cache_kwargs["plan"]
         if self.keys[layer_idx] is None:
             shape = (self.num_pages, self.page_size, key_states.shape[1], key_states.shape[3])
             self.keys[layer_idx] = key_states.new_zeros(shape)

@@ -1,8 +1,10 @@
-"""`BlockDiffusionConfig`: every knob of the decode loop, validated on construction (DESIGN §3, §5, §10)."""
+"""`BlockDiffusionConfig`: every knob of the decode loop, validated on construction (docs/design.md, "The decode
+loop", "Scoring and strategies", "Errors")."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +27,12 @@ def _fail(name: str, value: Any, fix: str) -> None:
 
 @dataclass
 class BlockDiffusionConfig:
-    """How `generate_multi_block` decodes. Fields left as `None` come from the model's profile (DESIGN §6).
+    """How `generate_multi_block` decodes. Fields left as `None` come from the model's profile (docs/design.md, "Model families").
 
     mask_token_id: id written at undecided positions; never proposed.
     block_size: positions decoded together (B). steps_per_block: S of the schedule n_t = ⌊B/S⌋ + [t < B mod S].
-    strategy / threshold / fallback: which positions are committed each step (DESIGN §5).
+    strategy / threshold / fallback: which positions are committed each step (docs/design.md, "Scoring and
+    strategies").
     temperature / top_k / top_p: proposal sampling; temperature 0 is greedy, top_k ≤ 0 and top_p ≥ 1 are off.
     max_active_blocks: K blocks decoded at once (1 = single-block); block_add_threshold: progress of the last
     block at which the next one is added; decoded_token_threshold: progress of a block's predecessor at which it
@@ -38,7 +41,8 @@ class BlockDiffusionConfig:
     attention: "block_causal" (exact KV cache) or "bidirectional" (full recompute).
     logit_shift: token i is predicted at position i-1.
     eos_token_id / pad_token_id / early_stop: stop ids, the id written after the first stop token, and whether a
-    row ends once the block holding its first stop token is complete.
+    row ends once the block holding its first stop token is complete (then `pad_token_id` follows the stop token);
+    early_stop=False decodes every row to max_new_tokens and replaces nothing, as if there were no stop ids.
     fused_store: store a finished block's K/V in the next block's first forward (token-identical, fewer forwards).
     attention_backend: "auto" (Triton on CUDA, sdpa on CPU), "sdpa", "triton" or "flash_attn" (FA2/FA3/FA4 if
     installed). FlexAttention was measured as a candidate and not kept (README, Kernels).
@@ -113,6 +117,10 @@ class BlockDiffusionConfig:
         self._validate()
 
     def _validate(self) -> None:
+        for field in dataclasses.fields(self):  # inf/nan settings would make no step commit anything
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                _fail(field.name, value, "pass a finite number")
         for name in ("block_size", "steps_per_block", "max_new_tokens", "max_active_blocks", "page_size",
                      "max_cache_tokens"):
             value = getattr(self, name)
@@ -136,6 +144,9 @@ class BlockDiffusionConfig:
             _fail("top_k", self.top_k, "pass an integer (≤ 0 disables top-k)")
         if not isinstance(self.top_p, (int, float)) or self.top_p <= 0:
             _fail("top_p", self.top_p, "pass a float in (0, 1] (1 disables top-p)")
+        self._validate_modes()
+
+    def _validate_modes(self) -> None:
         for name in ("block_add_threshold", "decoded_token_threshold"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
@@ -165,6 +176,15 @@ class BlockDiffusionConfig:
             or (self.block_size is not None and self.block_size % self.sub_block_size)
         ):
             _fail("sub_block_size", self.sub_block_size, "pass a positive divisor of block_size")
+        if self.sub_block_size is not None and (self.fused_store or self.attention == "bidirectional"):
+            _fail("sub_block_size", self.sub_block_size, "sub-blocks are Fast-dLLM v2's decoding: they need "
+                  "attention='block_causal' and fused_store=False (or use the fast_dllm_v2 preset)")
+        self._validate_switches()
+
+    def _validate_switches(self) -> None:
+        for name in ("early_stop", "fused_store", "first_token_on_store", "eos_fill"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "pass True or False")
         for name in ("cuda_graphs", "compile"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "pass True, False or None (automatic)")
@@ -182,6 +202,11 @@ class BlockDiffusionConfig:
         if self.eos_token_id is None:
             return ()
         return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+
+    @property
+    def stopping_ids(self) -> tuple[int, ...]:
+        """The ids that end a row: the stop ids with `early_stop`, none without."""
+        return self.stop_ids if self.early_stop else ()
 
     @property
     def effective_threshold(self) -> float:

@@ -1,5 +1,5 @@
 """PEFT adapters at full speed: merge the LoRA layers into the base weights for a `generate_multi_block` call, then
-put the base weights back bit-exactly (DESIGN §9).
+put the base weights back bit-exactly (docs/design.md, "Around the loop").
 
 Merging adds each adapter's delta to its base layer's `weight` (and `bias` with `lora_bias`); unmerging subtracts it
 again, which does not give the original bits back in bf16. So the tensors merging overwrites are backed up first and

@@ -1,10 +1,45 @@
-"""Putting `generate_multi_block` on transformers model classes."""
+"""Putting `generate_multi_block` on transformers model classes.
+
+The method is `generation.generate_multi_block` inside two wrappers: the PEFT adapter handling (`lora.over_adapters`:
+LoRA layers merged for the call, base weights restored bit-exactly) and a per-model lock, so concurrent calls on one
+model from several threads run one after another instead of sharing its decode engine, its attention setting and
+its merged weights.
+"""
 
 from __future__ import annotations
 
-from .generation import BlockDiffusionGenerationMixin
+import functools
+import threading
+import weakref
+
+from .generation import generate_multi_block
+from .lora import over_adapters
 
 STOCK_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM")
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its lock (copies of it get their own)
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model) -> threading.RLock:
+    """The lock of the weights `model` decodes with (a PEFT model and its base model share it)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(base, threading.RLock())
+
+
+def serialized(generate):
+    @functools.wraps(generate)
+    def locked(model, *args, **kwargs):
+        with model_lock(model):
+            return generate(model, *args, **kwargs)
+
+    return locked
+
+
+class BlockDiffusionGenerationMixin:
+    """Adds `generate_multi_block` to a transformers causal LM (see `generation.generate_multi_block`)."""
+
+    generate_multi_block = serialized(over_adapters(generate_multi_block))
 
 
 def patch_class(cls: type) -> type:
@@ -14,7 +49,7 @@ def patch_class(cls: type) -> type:
 
 
 def patch_model(model):
-    """Give `model` (any transformers causal LM) `generate_multi_block`; returns the model."""
+    """Give `model` (any transformers decoder-only causal LM) `generate_multi_block`; returns the model."""
     if not hasattr(model, "config") or not hasattr(model, "get_output_embeddings"):
         raise TypeError("patch_model needs a transformers PreTrainedModel with an output embedding (LM head).")
     patch_class(type(model))
@@ -36,5 +71,6 @@ def patch_known_classes() -> None:
 
 def free_cache(model) -> None:
     """Release the KV-cache pages (and anything else generation keeps on `model`) so training gets the memory back."""
-    if getattr(model, "_blockdiff_engine", None) is not None:
-        model._blockdiff_engine = None
+    with model_lock(model):
+        if getattr(model, "_blockdiff_engine", None) is not None:
+            model._blockdiff_engine = None

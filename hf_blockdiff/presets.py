@@ -1,4 +1,4 @@
-"""Compatibility presets (DESIGN §7): BlockDiffusionConfig fields that reproduce a reference decoder.
+"""Compatibility presets (docs/design.md, "Presets"): BlockDiffusionConfig fields that reproduce a reference decoder.
 
 Each preset pins what changes tokens (attention, alignment, strategy and its comparison, schedule, precision of the
 scores, the reference's extra rules); what the model profile knows (mask id, block size from the checkpoint, logit
@@ -64,9 +64,6 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
-
-def preset_names() -> tuple[str, ...]:
-    return tuple(PRESETS)
 
 
 def preset_fields(name: str, overrides: dict, defaults: type) -> dict:

@@ -1,4 +1,5 @@
-"""Scores of the positions a step decides: logits → proposal, confidence, entropy, margin, log-prob (DESIGN §5).
+"""Scores of the positions a step decides: logits → proposal, confidence, entropy, margin, log-prob (docs/design.md,
+"Scoring and strategies").
 
 Greedy and plain temperature/top-k sampling with the default confidence go through the fused scoring kernel on CUDA
 (its torch reference elsewhere: `kernels.scoring`); top-p, per-position temperatures, other confidence sources and float64 scoring take
@@ -23,6 +24,13 @@ class Scores:
     entropy: torch.Tensor  # [n]
     margin: torch.Tensor  # [n]
     logprob: torch.Tensor  # [n]: log-probability of the proposal under the distribution it was drawn from
+    salience: torch.Tensor | None = None  # [n]: (max ℓ − mean ℓ) / std ℓ, for the strategies that read it
+
+
+def logit_salience(logits: torch.Tensor) -> torch.Tensor:
+    """How far each row's top logit stands above the rest, in standard deviations."""
+    z = logits.float()
+    return (z.max(-1).values - z.mean(-1)) / z.std(-1).clamp_min(1e-12)
 
 
 @dataclass(frozen=True)

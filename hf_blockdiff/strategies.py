@@ -1,9 +1,10 @@
-"""Remasking strategies (DESIGN §5): pure, batched functions from block scores to a transfer mask.
+"""Remasking strategies (docs/design.md, "Scoring and strategies"): pure, batched functions from block scores to a
+transfer mask.
 
 Every strategy sees the active blocks of a step as rows of `BlockScores` ([NB, L] tensors, one row per block) and
 returns a bool [NB, L] mask of positions to commit, always a subset of `masked`. A block marked `forced` must make
 progress as its rule says (schedule count, fallback, forced token); other blocks only take the positions that pass
-the strategy's own test (multi-block decoding, DESIGN §3.4). Ties between positions go to the lowest position.
+the strategy's own test (multi-block decoding: docs/design.md, "The decode loop"). Ties between positions go to the lowest position.
 No strategy synchronizes with the host.
 """
 
@@ -48,9 +49,6 @@ class StrategyParams:
 class Strategy:
     name: str
     select: Callable[[BlockScores, StrategyParams], torch.Tensor]
-    summary: str
-    source: str
-    parameters: tuple[str, ...] = ()
     default_threshold: float = 0.9
     threshold_range: tuple[float, float] = (0.0, 1.0)
     strict: bool = True  # default comparison with the threshold
@@ -229,41 +227,29 @@ def _dream(score: Callable[[BlockScores], torch.Tensor]):
 
 
 def _register_all() -> None:
+    """Every strategy by name; their rules and where they come from: docs/design.md, "Scoring and strategies"."""
     entropy_range = (0.0, INF)
     for strategy in (
-        Strategy("sequential", _sequential, "leftmost n_t masked positions", "SDAR, JetEngine"),
-        Strategy("anti_sequential", _anti_sequential, "rightmost n_t masked positions", "ablation baseline"),
-        Strategy("low_confidence_static", _low_confidence_static, "n_t most confident", "LLaDA low_confidence, SDAR"),
-        Strategy("random", _random, "n_t masked positions uniformly at random (seeded)", "LLaDA random",
-                 needs=frozenset({"noise"})),
-        Strategy("least_entropy", _least_entropy, "n_t lowest entropy", "entropy ordering"),
-        Strategy("top2_margin", _top2_margin, "n_t largest top-1 − top-2 margin", "margin ordering"),
-        Strategy("low_confidence_dynamic", _low_confidence_dynamic,
-                 "{c > τ}; if fewer than n_t pass, the fallback picks n_t", "SDAR (topk), JetEngine (leftmost)",
-                 ("threshold", "fallback")),
-        Strategy("confidence_threshold", _confidence_threshold, "{c ≥ τ} ∪ top-1", "Fast-dLLM v1 (≥), v2 (>)",
-                 ("threshold",), strict=False),
-        Strategy("confidence_factor", _confidence_factor,
-                 "longest prefix by confidence with c_(r) ≥ 1 − f/(r+1), ≥ 1", "Fast-dLLM v1 factor", ("factor",)),
-        Strategy("entropy_threshold", _entropy_threshold, "{H < τ} plus a forced lowest-H token",
-                 "d3LLM / Open-dLLM", ("threshold",), default_threshold=0.5, threshold_range=entropy_range),
-        Strategy("entropy_bounded", _entropy_bounded, "lowest-H prefix with Σ H < γ, ≥ 1",
-                 "EB-sampler (JetEngine)", ("entropy_budget",)),
-        Strategy("dynamic_pmax", _dynamic_pmax, "most-confident prefix with Π c ≥ τ, ≥ 1", "ours",
-                 ("threshold",), strict=False),
-        Strategy("causal_waterfall", _causal_waterfall, "leftmost run of masked positions with c > τ, ≥ 1",
-                 "ours", ("threshold",)),
-        Strategy("relative_top", _relative_top, "{c ≥ α·max c}, ≥ 1", "ours", ("relative_alpha",)),
-        Strategy("consensus_commit", _consensus_commit,
-                 "proposal equal to last step's and c > τ, ≥ 1", "ours", ("threshold",),
-                 needs=frozenset({"previous"})),
-        Strategy("logit_salience", _logit_salience, "{(max ℓ − mean ℓ)/std ℓ > τ}, ≥ 1", "ours", ("threshold",),
-                 default_threshold=8.0, threshold_range=entropy_range, needs=frozenset({"salience"})),
-        Strategy("maskgit_plus", _dream(lambda s: s.confidence), "Dream schedule, by confidence", "Dream",
-                 ("steps_per_block",)),
-        Strategy("topk_margin", _dream(lambda s: s.margin), "Dream schedule, by margin", "Dream", ("steps_per_block",)),
-        Strategy("entropy", _dream(lambda s: -s.entropy), "Dream schedule, by negative entropy", "Dream",
-                 ("steps_per_block",)),
+        Strategy("sequential", _sequential),
+        Strategy("anti_sequential", _anti_sequential),
+        Strategy("low_confidence_static", _low_confidence_static),
+        Strategy("random", _random, needs=frozenset({"noise"})),
+        Strategy("least_entropy", _least_entropy),
+        Strategy("top2_margin", _top2_margin),
+        Strategy("low_confidence_dynamic", _low_confidence_dynamic),
+        Strategy("confidence_threshold", _confidence_threshold, strict=False),
+        Strategy("confidence_factor", _confidence_factor),
+        Strategy("entropy_threshold", _entropy_threshold, default_threshold=0.5, threshold_range=entropy_range),
+        Strategy("entropy_bounded", _entropy_bounded),
+        Strategy("dynamic_pmax", _dynamic_pmax, strict=False),
+        Strategy("causal_waterfall", _causal_waterfall),
+        Strategy("relative_top", _relative_top),
+        Strategy("consensus_commit", _consensus_commit, needs=frozenset({"previous"})),
+        Strategy("logit_salience", _logit_salience, default_threshold=8.0, threshold_range=entropy_range,
+                 needs=frozenset({"salience"})),
+        Strategy("maskgit_plus", _dream(lambda s: s.confidence)),
+        Strategy("topk_margin", _dream(lambda s: s.margin)),
+        Strategy("entropy", _dream(lambda s: -s.entropy)),
     ):
         register_strategy(strategy)
 

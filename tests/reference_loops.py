@@ -1,8 +1,8 @@
-"""Plain re-implementations of the reference decode loops (DESIGN §7), batch 1, no cache.
+"""Plain re-implementations of the reference decode loops (docs/design.md, "Presets"), batch 1, no cache.
 
 Every denoise step recomputes the whole canvas with the stock model and an explicit 4D mask, so these loops share
 nothing with hf_blockdiff's cache, attention dispatch, windows or strategies. Greedy decoding; the mask token is
-never proposed (DESIGN §5). Each returns (generated tokens [max_new_tokens] with `pad` after the first stop token,
+never proposed (docs/design.md, "Scoring and strategies"). Each returns (generated tokens [max_new_tokens] with `pad` after the first stop token,
 number of forwards the reference makes).
 """
 
@@ -150,7 +150,8 @@ def llada_reference(model, prompt, mask_id, block, steps, new, remasking="low_co
 def multi_block_reference(model, prompt, mask_id, block, new, threshold, block_add_threshold,
                           decoded_token_threshold, max_active_blocks=10**9, shift=True, stop_ids=(), pad=0,
                           activation_on_add=None, eos_fill=False):
-    """d3LLM/Open-dLLM-style multi-block decoding (DESIGN §3.4, §7) with entropy threshold and forced progress:
+    """d3LLM/Open-dLLM-style multi-block decoding (docs/design.md, "The decode loop" and "Presets") with entropy
+    threshold and forced progress:
     prompt_end blocks, the prompt is block 0, block-causal over blocks, full recompute of the canvas each step.
     Per step: (1) blocks whose predecessor reached `decoded_token_threshold` become fully activated; (2) one block
     is added, fully activated at once if its predecessor reached `activation_on_add`; with `eos_fill` the first

@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 
-from hf_blockdiff import BlockDiffusionConfig, attention
+from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.attention.backends import FlashBackend
 from hf_blockdiff.kernels import flash
 from hf_blockdiff.kernels.paged_attention import paged_attention_reference
 
@@ -41,7 +42,7 @@ def installed(monkeypatch):
         module.flash_attn_with_kvcache = stand_in(calls)
         monkeypatch.setitem(sys.modules, module_name, module)
         flash.load.cache_clear()
-        monkeypatch.setattr(attention, "available_backends", lambda device: ("sdpa", "flash_attn", "triton"))
+        monkeypatch.setattr(FlashBackend, "runs_on", classmethod(lambda cls, device: True))  # the stand-in runs on CPU
         return calls
 
     yield install

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_blockdiff import BlockDiffusionConfig
-from hf_blockdiff.generation.runner import request_seeds
+from hf_blockdiff.generation.engine import request_seeds
 from hf_blockdiff.kernels.rng import gumbel_noise
 from reference_loops import llada_reference, multi_block_reference, sdar_reference
 from reference_presets import dream_reference, fast_dllm_reference, fast_dllm_v2_reference

@@ -70,6 +70,38 @@ def test_sdar_stop_tokens(qwen3, fused):
     assert pad in batched[0].tolist()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_early_stop_off_decodes_past_the_stop_token(qwen3, fused):
+    """early_stop=False: every row runs to max_new_tokens and nothing is replaced, as the reference without stop
+    ids; with early_stop the same stop id ends the row (pad after it)."""
+    prompts = random_prompts(LENGTHS, seed=3)
+    settings = dict(block_size=4, max_new_tokens=NEW, strategy="low_confidence_dynamic", threshold=0.6,
+                    attention="block_causal", alignment="absolute", fused_store=fused, pad_token_id=1)
+    free, _ = generate(qwen3, prompts, eos_token_id=[], **settings)
+    stop = int(free[0, 5])
+    kept, out = generate(qwen3, prompts, eos_token_id=[stop], early_stop=False, **settings)
+    stopped, _ = generate(qwen3, prompts, eos_token_id=[stop], **settings)
+    for row, prompt in enumerate(prompts):
+        tokens, _ = sdar_reference(qwen3, prompt, MASK, 4, 4, NEW, "low_confidence_dynamic", 0.6)
+        assert kept[row].tolist() == tokens.tolist()
+    assert not torch.equal(kept, stopped) and 1 in stopped[0].tolist() and 1 not in kept[0].tolist()
+    assert (out.commit_step >= 0).all()
+
+
+def test_early_stop_off_skips_the_eos_fill(qwen3):
+    prompts = random_prompts((6, 9), seed=5)
+    settings = dict(block_size=4, max_new_tokens=NEW, strategy="entropy_threshold", threshold=0.5,
+                    attention="block_causal", alignment="prompt_end", logit_shift=True, max_active_blocks=3,
+                    block_add_threshold=0.5, decoded_token_threshold=0.5, eos_fill=True)
+    free, _ = generate(qwen3, prompts, eos_token_id=[], **settings)
+    stop = int(free[0, 3])
+    kept, _ = generate(qwen3, prompts, eos_token_id=[stop], early_stop=False, **settings)
+    assert torch.equal(kept, free)
+    for row, prompt in enumerate(prompts):
+        tokens, _ = multi_block_reference(qwen3, prompt, MASK, 4, NEW, 0.5, 0.5, 0.5, max_active_blocks=3)
+        assert kept[row].tolist() == tokens.tolist()
+
+
 @pytest.mark.parametrize("steps", [4, 2])
 @pytest.mark.parametrize("strategy", ["low_confidence_static", "confidence_threshold"])
 def test_llada_semantics(qwen3, steps, strategy):

@@ -1,3 +1,3 @@
-from .mixin import BlockDiffusionGenerationMixin, BlockDiffusionOutput
+from .generate import BlockDiffusionOutput, generate_multi_block
 
-__all__ = ["BlockDiffusionGenerationMixin", "BlockDiffusionOutput"]
+__all__ = ["BlockDiffusionOutput", "generate_multi_block"]

@@ -1,7 +1,7 @@
 """CUDA graphs of the decode step: one graph per chunk-capacity bucket, captured lazily, replayed while the engine
 lives on the model (reused across calls, dropped by `free_cache`).
 
-A step (`Decoder.advance` with fixed capacities) has static shapes and no host sync, and it prepares its successor
+A step (`DecodeStep` with fixed capacities) has static shapes and no host sync, and it prepares its successor
 into fixed buffers, so one replay runs forward, scoring, strategy, canvas and state updates as one GPU program. The
 host reads back the next step's chunk count (with the done flags) to pick the bucket. Where a mode bounds every
 window (single-block block-causal decoding) and the bound is a small forward, whose cost hardly depends on its token
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .loop import Decoder
+from .step import DecodeStep
 
 CHAIN_STEPS = 8
 SMALL_FORWARD_TOKENS = 64  # up to here a forward reads the weights once however many tokens it holds
@@ -27,14 +27,15 @@ def capacity_buckets(slots: int, most: int) -> list[int]:
 
 
 class StepGraphs:
-    def __init__(self, decoder: Decoder, capture: bool):
-        state = decoder.state
-        self.decoder, self.capture = decoder, capture
-        self.logit_capacity = state.num_rows * decoder.active_blocks * state.block_size
-        most = state.num_rows * -(-(state.width + 1) // decoder.chunk)
+    def __init__(self, step: DecodeStep, capture: bool):
+        scheduler = step.scheduler
+        state = scheduler.state
+        self.decode_step, self.scheduler, self.capture = step, scheduler, capture
+        self.logit_capacity = state.num_rows * scheduler.active_blocks * state.block_size
+        most = state.num_rows * -(-(state.width + 1) // scheduler.chunk)
         self.buckets = capacity_buckets(state.num_rows, most)
-        bound = decoder.chunk_bound()
-        small = bound is not None and state.num_rows * bound * decoder.chunk <= SMALL_FORWARD_TOKENS
+        bound = scheduler.chunk_bound()
+        small = bound is not None and state.num_rows * bound * scheduler.chunk <= SMALL_FORWARD_TOKENS
         self.chain_capacity = state.num_rows * bound if small else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -44,17 +45,17 @@ class StepGraphs:
         if self.chain_capacity is not None:
             capacity, steps = self.chain_capacity, CHAIN_STEPS
         else:
-            total = int(self.decoder.chunk_total)
+            total = int(self.scheduler.chunk_total)
             capacity, steps = next(b for b in self.buckets if b >= total), 1
         graph = self.graphs.get(capacity)
         if graph is not None:
             graph.replay()
             return
         for _ in range(steps):  # real steps, which also warm this shape up
-            self.decoder.advance(capacity, self.logit_capacity)
+            self.decode_step(capacity, self.logit_capacity)
         if self.capture:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 for _ in range(steps):
-                    self.decoder.advance(capacity, self.logit_capacity)
+                    self.decode_step(capacity, self.logit_capacity)
             self.graphs[capacity] = graph

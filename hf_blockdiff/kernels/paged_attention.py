@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from hf_blockdiff.kernels import TRITON_AVAILABLE, require_triton
+from . import TRITON_AVAILABLE, require_triton
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, q_limit, scale):
@@ -179,8 +179,17 @@ if TRITON_AVAILABLE:
             m_i = m_new
 
         o_row = (r * W + w).to(tl.int64) * Hq + head
+        _store_tile(acc, m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, o_row,
+                    split * (tl.num_programs(1) * W * GROUP).to(tl.int64),
+                    row_ok, d_ok, offs_d, HEAD_DIM, SPLIT)
+
+    @triton.jit
+    def _store_tile(acc, m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, o_row, split_base, row_ok, d_ok, offs_d,
+                    HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
+        """The finished tile: normalized into the output, or, split over the key range, raw with its max and sum for
+        the merge kernel."""
         if SPLIT:
-            part = split * (tl.num_programs(1) * W * GROUP).to(tl.int64) + o_row
+            part = split_base + o_row
             tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
             tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)

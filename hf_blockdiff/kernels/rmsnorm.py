@@ -8,7 +8,7 @@ outputs agree to rounding, not bit for bit.
 
 import torch
 
-from hf_blockdiff.kernels import TRITON_AVAILABLE, require_triton
+from . import TRITON_AVAILABLE, require_triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

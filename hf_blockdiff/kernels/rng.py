@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_blockdiff.kernels import TRITON_AVAILABLE
+from . import TRITON_AVAILABLE
 
 MASK32 = 0xFFFFFFFF
 GOLDEN32 = 0x9E3779B1

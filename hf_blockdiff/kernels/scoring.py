@@ -9,8 +9,8 @@ All statistics in fp32, natural log, 0 * log 0 = 0.
 
 import torch
 
-from hf_blockdiff.kernels import TRITON_AVAILABLE, require_triton
-from hf_blockdiff.kernels.rng import gumbel_noise
+from . import TRITON_AVAILABLE, require_triton
+from .rng import gumbel_noise
 
 
 def inverse_temperature(temperature):
@@ -97,7 +97,31 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from hf_blockdiff.kernels.rng import row_key_tl, uniform_noise_tl
+    from .rng import row_key_tl, uniform_noise_tl
+
+    @triton.jit
+    def _online_softmax_update(z, m, s_vec, w_vec):
+        """One chunk of the running max m, Σ e^(z - m) and Σ e^(z - m)·(z - m) (for the entropy)."""
+        m_new = tl.maximum(m, tl.max(z, 0))
+        alpha = tl.exp(m - m_new)
+        d = z - m_new
+        e = tl.exp(d)
+        w_vec = alpha * (w_vec + (m - m_new) * s_vec) + e * tl.where(e > 0, d, 0.0)
+        return m_new, alpha * s_vec + e, w_vec
+
+    @triton.jit
+    def _top2_update(z, cols, t1, t2, i1):
+        """Per lane: the largest value (and its column) and the second largest seen so far."""
+        t2 = tl.where(z > t1, t1, tl.maximum(t2, z))
+        i1 = tl.where(z > t1, cols, i1)
+        return tl.maximum(t1, z), t2, i1
+
+    @triton.jit
+    def _store_stats(stats_ptr, row, N, confidence, entropy, margin, logprob):
+        tl.store(stats_ptr + row, confidence)
+        tl.store(stats_ptr + N + row, entropy)
+        tl.store(stats_ptr + 2 * N + row, margin)
+        tl.store(stats_ptr + 3 * N + row, logprob)
 
     @triton.jit
     def _score_kernel(
@@ -133,17 +157,8 @@ if TRITON_AVAILABLE:
             if FILTER:
                 z = tl.where(z >= thr, z, neg_inf)
 
-            m_new = tl.maximum(m, tl.max(z, 0))
-            alpha = tl.exp(m - m_new)
-            d = z - m_new
-            e = tl.exp(d)
-            w_vec = alpha * (w_vec + (m - m_new) * s_vec) + e * tl.where(e > 0, d, 0.0)
-            s_vec = alpha * s_vec + e
-            m = m_new
-
-            t2 = tl.where(z > t1, t1, tl.maximum(t2, z))
-            i1 = tl.where(z > t1, cols, i1)
-            t1 = tl.maximum(t1, z)
+            m, s_vec, w_vec = _online_softmax_update(z, m, s_vec, w_vec)
+            t1, t2, i1 = _top2_update(z, cols, t1, t2, i1)
             if SAMPLE:
                 perturbed = z - tl.log(-tl.log(uniform_noise_tl(key, cols)))
                 better = perturbed > best  # nan (excluded token with infinite noise) never wins
@@ -164,7 +179,5 @@ if TRITON_AVAILABLE:
             z_prop = top1
         logprob = z_prop - m - log_s
         tl.store(prop_ptr + row, prop.to(tl.int64))
-        tl.store(stats_ptr + row, tl.exp(logprob))
-        tl.store(stats_ptr + N + row, log_s - tl.sum(w_vec, 0) / s)
-        tl.store(stats_ptr + 2 * N + row, (tl.exp(top1 - m) - tl.exp(top2 - m)) / s)
-        tl.store(stats_ptr + 3 * N + row, logprob)
+        _store_stats(stats_ptr, row, N, tl.exp(logprob), log_s - tl.sum(w_vec, 0) / s,
+                     (tl.exp(top1 - m) - tl.exp(top2 - m)) / s, logprob)

@@ -1,4 +1,4 @@
-"""Decode state: every slot's canvas and the block state machine of DESIGN §3, as fixed-size tensors.
+"""Decode state: every slot's canvas and block bookkeeping (docs/design.md, "The decode loop"), as fixed-size tensors.
 
 A slot holds one prompt at a time (prompt streaming refills finished slots). Slots are kept in their own coordinates
 (position 0 = the prompt's first token, whatever the caller's left padding), so a prompt decodes the same alone or in
@@ -6,6 +6,9 @@ any batch. Decode block j of a slot covers `[first_block_start + j·B, … + B)`
 alignment blocks sit at multiples of B and the first one holds the prompt tail; for `prompt_end` they start right
 after the prompt. Every update is a tensor op on fixed shapes, so a step can run inside a CUDA graph. Column
 `width` of the canvas is a scratch column that absorbs writes of padding slots.
+
+Only the methods of `DecodeState` write its tensors, and only the scheduler calls them: a step's choices reach the
+state as one `Decision` (`apply`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,28 @@ class BlockStatus:
     complete: torch.Tensor
 
 
+@dataclass
+class Decision:
+    """What one step decided. `commit` marks the positions (of `rows`, at `positions`) that take `tokens`, with the
+    log-probability and entropy they were drawn with; the other fields are the strategy's bookkeeping: last proposals
+    at (proposal_rows, proposal_positions), forced steps per active block (forced_rows, forced_blocks, forced), and
+    the slots that took a decoding step (`stepped`)."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    tokens: torch.Tensor
+    logprob: torch.Tensor
+    entropy: torch.Tensor
+    commit: torch.Tensor
+    proposal_rows: torch.Tensor | None = None
+    proposal_positions: torch.Tensor | None = None
+    proposals: torch.Tensor | None = None
+    forced_rows: torch.Tensor | None = None
+    forced_blocks: torch.Tensor | None = None
+    forced: torch.Tensor | None = None
+    stepped: torch.Tensor | None = None
+
+
 class DecodeState:
     def __init__(self, rows: int, width: int, max_blocks: int, cfg: BlockDiffusionConfig, device: torch.device):
         self.cfg, self.width, self.block_size = cfg, width, cfg.block_size
@@ -51,6 +76,7 @@ class DecodeState:
         self.logprob = zeros(rows, width + 1, dtype=torch.float32)
         self.entropy = zeros(rows, width + 1, dtype=torch.float32)
         self.added, self.stored, self.draws = zeros(rows), zeros(rows), zeros(rows)  # draws: decoding steps
+        self.seed = zeros(rows)  # each slot's sampling seed: its noise depends on nothing else
         self.full = zeros(rows, max_blocks, dtype=torch.bool)
         self.forced_steps = zeros(rows, max_blocks)
         self.done = zeros(rows, dtype=torch.bool, fill=True)
@@ -65,8 +91,8 @@ class DecodeState:
     def fits(self, rows: int, width: int, max_blocks: int) -> bool:
         return rows == self.num_rows and width <= self.width and max_blocks <= len(self.block_index)
 
-    def load(self, slots: torch.Tensor, prompts: list[torch.Tensor]) -> None:
-        """Put `prompts` into `slots`: fresh canvases and counters."""
+    def load(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor) -> None:
+        """Put `prompts` into `slots`: fresh canvases and counters, and the prompts' sampling seeds."""
         lengths = torch.tensor([len(p) for p in prompts], device=slots.device)
         first, row_end, num_blocks = geometry(lengths, self.cfg)
         self.prompt_len[slots], self.first_block_start[slots] = lengths, first
@@ -76,6 +102,7 @@ class DecodeState:
         for row, prompt in enumerate(prompts):
             canvas[row, : len(prompt)] = prompt.to(slots.device)
         self.canvas[slots] = canvas
+        self.seed[slots] = seeds.to(self.seed.device)
         for buffer, fill in ((self.previous, -1), (self.commit_step, -1), (self.logprob, 0), (self.entropy, 0),
                              (self.added, 0), (self.stored, 0), (self.draws, 0), (self.full, False),
                              (self.forced_steps, 0), (self.done, False)):
@@ -126,7 +153,8 @@ class DecodeState:
         return BlockStatus(masked, remaining, progress, remaining == 0)
 
     def activate(self, status: BlockStatus, slots: torch.Tensor) -> None:
-        """Mark blocks of `slots` ([R] bool) fully activated and add at most one block per slot (DESIGN §3.4)."""
+        """Mark blocks of `slots` ([R] bool) fully activated and add at most one block per slot (docs/design.md,
+        "The decode loop": multi-block rules)."""
         cfg, blocks = self.cfg, self.block_index
         is_added = blocks < self.added[:, None]
         last = (self.added - 1).clamp(min=0)[:, None]
@@ -162,6 +190,33 @@ class DecodeState:
 
     # -- writing and stopping ----------------------------------------------------------------------------------------
 
+    def start_call(self) -> None:
+        """A new call: forwards count from zero (`commit_step` is within the call), every slot idle."""
+        self.forward_index.zero_()
+        self.done.fill_(True)
+
+    def count_forward(self, ran: torch.Tensor | bool) -> None:
+        self.forward_index += ran
+
+    def mark_stored(self, blocks: torch.Tensor) -> None:
+        """`blocks` [R] more blocks of each slot are in the cache."""
+        self.stored += blocks
+
+    def finish(self, finished: torch.Tensor) -> None:
+        self.done |= finished
+
+    def apply(self, decision: Decision) -> None:
+        """Write one step's decision: the committed tokens and the strategy's bookkeeping."""
+        if decision.proposals is not None:
+            self.previous[decision.proposal_rows, decision.proposal_positions] = decision.proposals
+        if decision.forced is not None:
+            self.forced_steps.index_put_((decision.forced_rows, decision.forced_blocks), decision.forced.long(),
+                                         accumulate=True)
+        self.commit(decision.rows, decision.positions, decision.tokens, decision.logprob, decision.entropy,
+                    decision.commit)
+        if decision.stepped is not None:
+            self.draws += decision.stepped.long()
+
     def commit(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, logprob: torch.Tensor,
                entropy: torch.Tensor, chosen: torch.Tensor) -> None:
         """Write the `chosen` tokens (others go to the scratch column) and what RL users need about them."""
@@ -181,15 +236,15 @@ class DecodeState:
         hits = self.generated() & torch.isin(self.canvas, stop_ids)
         return hits.int().argmax(-1), hits.any(-1)
 
-    def stopped(self, status: BlockStatus, stop_ids: torch.Tensor) -> torch.Tensor:
-        """Slots whose first stop token lies in a complete block after which nothing earlier is undecided."""
+    def stop_block(self, stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode block of each slot's first stop token, and whether there is one."""
         first, has_stop = self.first_stop(stop_ids)
-        stop_block = (first - self.first_block_start).div(self.block_size, rounding_mode="floor")
-        upto = self.block_index[None] <= stop_block[:, None]
-        settled = (status.complete | ~upto).all(-1)
-        if not self.cfg.fused_store and self.cfg.attention == "block_causal":
-            settled &= self.stored > stop_block
-        return has_stop & settled
+        return (first - self.first_block_start).div(self.block_size, rounding_mode="floor"), has_stop
+
+    def settled_through(self, status: BlockStatus, block: torch.Tensor) -> torch.Tensor:
+        """[R]: every block of the slot up to `block` is complete."""
+        upto = self.block_index[None] <= block[:, None]
+        return (status.complete | ~upto).all(-1)
 
     def fill_after_stop(self, stop_ids: torch.Tensor) -> None:
         """d3LLM's EOS fill: every position after a slot's first decided stop token becomes that token."""

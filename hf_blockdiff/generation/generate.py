@@ -1,4 +1,5 @@
-"""`BlockDiffusionGenerationMixin.generate_multi_block`: the public entry point on HF causal LMs."""
+"""`generate_multi_block`: the public entry point on HF causal LMs (put on the classes by `hf_blockdiff.patching`,
+which adds the PEFT adapter handling and the per-model lock around it)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,10 @@ from transformers.utils import ModelOutput
 
 from ..attention import resolve_backend
 from ..config import BlockDiffusionConfig
-from ..lora import over_adapters
 from ..profiles import model_profile
 from ..tensor_parallel import check_tensor_parallel
-from .runner import engine_for, plan_shapes, request_seeds
-from .state import DecodeState
+from ..scheduler import DecodeState
+from .engine import engine_for, plan_shapes, request_seeds
 
 
 @dataclass
@@ -64,63 +64,59 @@ def _check_lengths(model, prompts: list[torch.Tensor], cfg: BlockDiffusionConfig
         )
 
 
-class BlockDiffusionGenerationMixin:
-    """Adds `generate_multi_block` to a transformers causal LM."""
+@torch.no_grad()
+def generate_multi_block(
+    self,
+    input_ids: torch.LongTensor,
+    config: BlockDiffusionConfig | None = None,
+    attention_mask: torch.Tensor | None = None,
+    streamer=None,
+    generator: torch.Generator | None = None,
+    return_dict: bool = False,
+    max_batch_size: int | None = None,
+):
+    """Block-diffusion decoding of `input_ids` (left-padded [B, P]); see `BlockDiffusionConfig`.
 
-    @torch.no_grad()
-    @over_adapters
-    def generate_multi_block(
-        self,
-        input_ids: torch.LongTensor,
-        config: BlockDiffusionConfig | None = None,
-        attention_mask: torch.Tensor | None = None,
-        streamer=None,
-        generator: torch.Generator | None = None,
-        return_dict: bool = False,
-        max_batch_size: int | None = None,
-    ):
-        """Block-diffusion decoding of `input_ids` (left-padded [B, P]); see `BlockDiffusionConfig`.
+    At most `max_batch_size` prompts decode at once; finished ones are replaced by waiting ones (prompt
+    streaming). Returns a LongTensor [B, P + max_new_tokens], or a `BlockDiffusionOutput` with `return_dict=True`.
 
-        At most `max_batch_size` prompts decode at once; finished ones are replaced by waiting ones (prompt
-        streaming). Returns a LongTensor [B, P + max_new_tokens], or a `BlockDiffusionOutput` with `return_dict=True`.
-
-        PEFT: on a `PeftModel` (or a model with adapters from `load_adapter`) the active LoRA adapters are merged into
-        the base weights for the call and the base weights are restored bit-exactly after it. `adapters=[name, ...]`
-        decodes once per named adapter, each alone, and returns a list of the outputs in that order.
-        `streamer`: batch 1; gets `put`/`end` like transformers streamers, and `put_draft` each step if it has one
-        (see `_TokenStream`)."""
-        if config is not None and not isinstance(config, BlockDiffusionConfig):
-            raise TypeError("config must be a BlockDiffusionConfig (or None to use the model's profile).")
-        vocab = getattr(self.config, "vocab_size", None)
-        cfg = (config or BlockDiffusionConfig()).resolved(model_profile(self), vocab)
-        prompts = _prompts(input_ids, attention_mask)
-        device = input_ids.device
-        _check_lengths(self, prompts, cfg)
-        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
-            raise ValueError(f"max_batch_size={max_batch_size!r}: pass a positive integer (or None for all prompts).")
-        check_tensor_parallel(self)
-        backend = resolve_backend(cfg.attention_backend, device, cfg.block_size, cfg.page_size)
-        stream = _TokenStream(streamer, input_ids, cfg) if streamer is not None else None
-        seeds = request_seeds(len(prompts), generator)
-        was_training = self.training
-        self.eval()
-        try:
-            engine = engine_for(self, cfg, prompts, max_batch_size, backend, device)
-            results = engine.generate(prompts, seeds, stream)
-        finally:
-            self.train(was_training)
-        sequences = torch.cat([input_ids, results.tokens], dim=1)
-        if not return_dict:
-            return sequences
-        return BlockDiffusionOutput(
-            sequences=sequences,
-            num_forwards=results.num_forwards,
-            tokens_per_forward=int(results.committed.sum()) / max(int(results.steps.sum()), 1),
-            steps=results.steps,
-            commit_step=results.commit_step,
-            logprobs=results.logprobs,
-            entropies=results.entropies,
-        )
+    PEFT: on a `PeftModel` (or a model with adapters from `load_adapter`) the active LoRA adapters are merged into
+    the base weights for the call and the base weights are restored bit-exactly after it. `adapters=[name, ...]`
+    decodes once per named adapter, each alone, and returns a list of the outputs in that order.
+    `streamer`: batch 1; gets `put`/`end` like transformers streamers, and `put_draft` each step if it has one
+    (see `_TokenStream`)."""
+    if config is not None and not isinstance(config, BlockDiffusionConfig):
+        raise TypeError("config must be a BlockDiffusionConfig (or None to use the model's profile).")
+    vocab = getattr(self.config, "vocab_size", None)
+    cfg = (config or BlockDiffusionConfig()).resolved(model_profile(self), vocab)
+    prompts = _prompts(input_ids, attention_mask)
+    device = input_ids.device
+    _check_lengths(self, prompts, cfg)
+    if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
+        raise ValueError(f"max_batch_size={max_batch_size!r}: pass a positive integer (or None for all prompts).")
+    check_tensor_parallel(self)
+    backend = resolve_backend(cfg.attention_backend, device, cfg.block_size, cfg.page_size)
+    stream = _TokenStream(streamer, input_ids, cfg) if streamer is not None else None
+    seeds = request_seeds(len(prompts), generator)
+    was_training = self.training
+    self.eval()
+    try:
+        engine = engine_for(self, cfg, prompts, max_batch_size, backend, device)
+        results = engine.generate(prompts, seeds, stream)
+    finally:
+        self.train(was_training)
+    sequences = torch.cat([input_ids, results.tokens], dim=1)
+    if not return_dict:
+        return sequences
+    return BlockDiffusionOutput(
+        sequences=sequences,
+        num_forwards=results.num_forwards,
+        tokens_per_forward=int(results.committed.sum()) / max(int(results.steps.sum()), 1),
+        steps=results.steps,
+        commit_step=results.commit_step,
+        logprobs=results.logprobs,
+        entropies=results.entropies,
+    )
 
 
 class _TokenStream:
@@ -135,7 +131,7 @@ class _TokenStream:
             raise ValueError("streamer needs a batch of one prompt.")
         self.streamer, self.cfg, self.sent = streamer, cfg, 0
         self.put_draft = getattr(streamer, "put_draft", None)
-        self.stop_ids = torch.tensor(cfg.stop_ids, dtype=torch.long, device=input_ids.device)
+        self.stop_ids = torch.tensor(cfg.stopping_ids, dtype=torch.long, device=input_ids.device)
         streamer.put(input_ids[0].cpu())
 
     def step(self, state: DecodeState) -> None:

@@ -2,8 +2,8 @@
 input order (continuous batching for block diffusion).
 
 Each slot owns a fixed set of KV pages; a finished prompt's pages go to the next prompt of its slot. The engine
-(state, cache, decoder) stays on the model between calls with the same shapes and settings, so buffers and any
-captured CUDA graphs are reused; `hf_blockdiff.free_cache(model)` drops it.
+(scheduler, executor and their buffers) stays on the model between calls with the same shapes and settings, so
+buffers and any captured CUDA graphs are reused; `hf_blockdiff.free_cache(model)` drops it.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import PagedBlockCache
+from ..attention import AttentionBackend
 from ..config import BlockDiffusionConfig
 from ..kernels.rng import fmix32
-from ..tensor_parallel import tensor_parallel_size
+from ..scheduler import Scheduler, geometry
+from .executor import ModelExecutor
+from .fusion import fusion_for
 from .graphs import StepGraphs
-from .loop import Decoder
-from .state import DecodeState, geometry
+from .step import DecodeStep
 
 
 @dataclass
@@ -56,42 +57,38 @@ def kv_bytes_per_token(model) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * model.get_output_embeddings().weight.element_size()
 
 
-def use_graphs(cfg: BlockDiffusionConfig, backend: str, device: torch.device) -> bool:
-    """Fixed-shape steps (CUDA graphs on CUDA): by default on CUDA with the paged backends (Triton, FlashAttention);
+def use_graphs(cfg: BlockDiffusionConfig, backend: AttentionBackend, device: torch.device) -> bool:
+    """Fixed-shape steps (CUDA graphs on CUDA): by default on CUDA with a backend whose plans need no host sync;
     never with a user's logits processor (arbitrary Python)."""
     if cfg.logits_processor is not None:
         return False
     if cfg.cuda_graphs is None:
-        return device.type == "cuda" and backend in ("triton", "flash_attn")
+        return device.type == "cuda" and backend.graph_safe
     return cfg.cuda_graphs
 
 
-def fusion_for(cfg: BlockDiffusionConfig, backend: str, device: torch.device, model) -> str:
-    """How the decoder layers run while decoding: compiled, with fused Triton norms, or as they are."""
-    compile_ = cfg.compile
-    if compile_ is None:
-        compile_ = use_graphs(cfg, backend, device) and device.type == "cuda" and tensor_parallel_size(model) == 1
-    return "compile" if compile_ else "norms" if backend == "triton" else "none"
-
-
 class Engine:
-    """A decoder with its state and cache for a fixed number of slots and canvas width."""
+    """A scheduler and a model executor for a fixed number of slots and canvas width, and the step joining them."""
 
-    def __init__(self, model, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int, backend: str,
-                 device: torch.device):
+    def __init__(self, model, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int,
+                 backend: AttentionBackend, device: torch.device):
         self.cfg, self.backend = cfg, backend
-        self.state = DecodeState(slots, width, max_blocks, cfg, device)
-        self.cache = PagedBlockCache(model.config.get_text_config().num_hidden_layers, cfg.page_size)
-        self.cache.start([width] * (2 * slots if cfg.cfg_scale > 0 else slots), device)
-        self.seeds = torch.zeros(slots, dtype=torch.long, device=device)
-        fusion = fusion_for(cfg, backend, device, model)
-        self.decoder = Decoder(model, cfg, self.state, self.cache, backend, self.seeds, fusion)
-        self.step = self.decoder.advance
-        if use_graphs(cfg, backend, device):
-            self.step = StepGraphs(self.decoder, capture=device.type == "cuda").step
+        self.scheduler = Scheduler(cfg, slots, width, max_blocks, device)
+        self.state = self.scheduler.state
+        graphs = use_graphs(cfg, backend, device)
+        fusion = fusion_for(cfg, backend, graphs, device, model)
+        self.executor = ModelExecutor(model, cfg, backend, fusion, slots, width, device)
+        self.decode_step = DecodeStep(self.scheduler, self.executor)
+        self.step = StepGraphs(self.decode_step, capture=device.type == "cuda").step if graphs else self.decode_step
 
-    def fits(self, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int, backend: str) -> bool:
-        return cfg == self.cfg and backend == self.backend and self.state.fits(slots, width, max_blocks)
+    @property
+    def cache(self):
+        return self.executor.cache
+
+    def fits(self, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int,
+             backend: AttentionBackend) -> bool:
+        return (cfg == self.cfg and backend.name == self.backend.name
+                and self.state.fits(slots, width, max_blocks))
 
     def generate(self, prompts: list[torch.Tensor], seeds: torch.Tensor, stream=None) -> Results:
         cfg, state = self.cfg, self.state
@@ -105,10 +102,9 @@ class Engine:
             steps=torch.zeros(len(prompts), dtype=torch.long, device=device),
             committed=torch.zeros(len(prompts), dtype=torch.long, device=device),
         )
-        start_forwards = self.decoder.num_forwards
         owner = [-1] * state.num_rows  # prompt index held by each slot
         queue = list(range(len(prompts)))
-        state.done.fill_(True)
+        self.scheduler.start_call()
         progress = tqdm(total=len(prompts), desc="generate_multi_block", delay=3, leave=False)
         self._admit(list(range(min(state.num_rows, len(prompts)))), queue, owner, prompts, seeds)
         while any(request >= 0 for request in owner):
@@ -116,7 +112,7 @@ class Engine:
             if stream is not None:
                 stream.step(state)
             finished = [slot for slot, done in enumerate(state.done.tolist()) if done and owner[slot] >= 0]
-            stops = state.first_stop(self.decoder.stop_ids) if finished else None
+            stops = state.first_stop(self.scheduler.stop_ids) if finished else None
             for slot in finished:
                 self._harvest(slot, owner[slot], results, stops)
                 owner[slot] = -1
@@ -125,7 +121,7 @@ class Engine:
         progress.close()
         if stream is not None:
             stream.end()
-        results.num_forwards = self.decoder.num_forwards - start_forwards
+        results.num_forwards = self.scheduler.num_forwards
         return results
 
     def _admit(self, slots: list[int], queue: list[int], owner: list[int], prompts, seeds: torch.Tensor) -> None:
@@ -135,13 +131,8 @@ class Engine:
         index = torch.tensor([slot for slot, _ in taken], device=self.state.canvas.device)
         for slot, request in taken:
             owner[slot] = request
-        self.seeds[index] = seeds[[request for _, request in taken]].to(self.seeds.device)
-        self.state.load(index, [prompts[request] for _, request in taken])
-        self.cache.committed[index] = 0
-        self.decoder.prefill(index)
-        loaded = torch.zeros_like(self.state.done)
-        loaded[index] = True
-        self.decoder.prepare(loaded)
+        self.decode_step.admit(index, [prompts[request] for _, request in taken],
+                               seeds[[request for _, request in taken]])
 
     def _harvest(self, slot: int, request: int, results: Results, stops: tuple[torch.Tensor, torch.Tensor]) -> None:
         state, cfg = self.state, self.cfg
@@ -162,7 +153,7 @@ class Engine:
 
 
 def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], max_batch_size: int | None,
-               backend: str, device: torch.device) -> Engine:
+               backend: AttentionBackend, device: torch.device) -> Engine:
     """The model's cached engine if it fits this call, else a new one (sized to the KV-cache budget)."""
     width, max_blocks = plan_shapes([len(p) for p in prompts], cfg)
     slots = min(len(prompts), max_batch_size or len(prompts))

@@ -1,0 +1,46 @@
+"""Attention for the decode step: backend objects and the one function registered with transformers.
+
+While `generate_multi_block` runs, the model's `_attn_implementation` names `ATTENTION_NAME`, and every forward
+carries the cache and the forward's plan as keyword arguments (`blockdiff_cache`, `blockdiff_plan`), as transformers'
+own paged attention receives its cache; the unmodified HF attention layers pass them on to us. The function writes
+the window's K/V into the cache (`PagedBlockCache.update`, the only place K/V are written) and lets the plan's
+backend attend. Outside generation the model's own implementation is untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+
+from ..cache import ForwardPlan, PagedBlockCache
+from .backends import AttentionBackend, available_backends, resolve_backend
+
+ATTENTION_NAME = "hf_blockdiff"
+
+
+@torch.compiler.disable
+def blockdiff_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    blockdiff_cache: PagedBlockCache | None = None,
+    blockdiff_plan: ForwardPlan | None = None,
+    **kwargs,
+):
+    if blockdiff_plan is None or blockdiff_cache is None:
+        raise RuntimeError("The hf_blockdiff attention runs only inside generate_multi_block.")
+    layer = module.layer_idx
+    key, value = blockdiff_cache.update(key, value, layer, {"plan": blockdiff_plan})
+    return blockdiff_plan.backend.attend(query, key, value, blockdiff_cache, layer, blockdiff_plan, scaling), None
+
+
+def register() -> None:
+    AttentionInterface.register(ATTENTION_NAME, blockdiff_attention_forward)
+
+
+__all__ = ["ATTENTION_NAME", "AttentionBackend", "available_backends", "blockdiff_attention_forward", "register",
+           "resolve_backend"]

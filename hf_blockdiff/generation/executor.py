@@ -1,0 +1,104 @@
+"""The model executor: everything of a decode step that touches transformers (docs/design.md, "Architecture").
+
+It owns the HF forward of the model's decoder, the `PagedBlockCache`, the attention backend, the decoder layers'
+fusion, the LM head and the scoring of logits. It knows no decoding policy: the scheduler tells it which tokens to
+run (`ForwardLayout`), what a forward stored (`Stored`) and which positions to score (`ScoreRequest`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import AttentionBackend
+from ..cache import PagedBlockCache
+from ..config import BlockDiffusionConfig
+from ..scheduler import ForwardLayout, ScoreRequest, Stored
+from ..scheduler.chunks import Chunks
+from ..scoring import SamplingParams, Scores, logit_salience, score_logits
+from .fusion import decoding_mode
+
+
+class ModelExecutor:
+    def __init__(self, model, cfg: BlockDiffusionConfig, backend: AttentionBackend, fusion: str, rows: int,
+                 width: int, device: torch.device):
+        self.model, self.cfg, self.backend, self.fusion = model, cfg, backend, fusion
+        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+        self.lm_head = model.get_output_embeddings()
+        self.num_rows, self.guided = rows, cfg.cfg_scale > 0
+        self.cache = PagedBlockCache(model.config.get_text_config().num_hidden_layers, cfg.page_size)
+        self.cache.start([width] * (2 * rows if self.guided else rows), device)
+        hidden = model.config.get_text_config().hidden_size
+        # logit shift: the hidden state before a slot's first undecided position, kept from the forward that stored it
+        self.carry = torch.zeros(rows, hidden, dtype=self.lm_head.weight.dtype, device=device)
+        self.sampling = SamplingParams(cfg.mask_token_id, cfg.temperature, cfg.top_k, cfg.top_p, cfg.confidence,
+                                       cfg.score_precision)
+
+    def forward(self, layout: ForwardLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flat hidden states [N·C, H] of the layout's chunks (and of the unconditional canvases with guidance)."""
+        rows, positions = layout.chunks.rows, layout.positions
+        tokens, valid, limits = layout.tokens, layout.chunks.valid, layout.key_limits
+        if self.guided:  # the unconditional canvases run beside, in cache rows of their own
+            tokens = torch.cat([tokens, layout.unconditional])
+            rows = torch.cat([rows, rows + self.num_rows])
+            positions, limits, valid = positions.repeat(2, 1), limits.repeat(2, 1), valid.repeat(2, 1)
+        plan = self.backend.plan(self.cache, rows, positions, valid, limits.int())
+        with decoding_mode(self.model, self.fusion):
+            out = self.decoder(input_ids=tokens, position_ids=positions, use_cache=False,
+                               blockdiff_cache=self.cache, blockdiff_plan=plan)
+        hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
+        return hidden.chunk(2) if self.guided else (hidden, None)
+
+    def commit(self, stored: Stored, chunks: Chunks, hidden: torch.Tensor) -> None:
+        """Advance the cache's committed lengths to what the forward stored; with a logit shift keep the hidden
+        state of each slot's last stored position (it predicts the next one)."""
+        rows = torch.arange(len(stored.has), device=stored.has.device)
+        self.cache.commit(rows, torch.where(stored.has, stored.length - self.cache.committed[rows], 0))
+        if self.cfg.logit_shift:
+            index, _ = chunks.locate(rows, stored.length - 1)
+            self.carry.copy_(torch.where(stored.has[:, None], hidden[index], self.carry))
+
+    def score(self, request: ScoreRequest, chunks: Chunks, hidden: torch.Tensor,
+              hidden_uncond: torch.Tensor | None) -> Scores:
+        """Scores of the requested positions, from the hidden states that predict them."""
+        rows, positions = request.rows, request.positions
+        index, inside = chunks.locate(rows, positions - int(self.cfg.logit_shift))
+        conditional = torch.where(inside[:, None], hidden[index], self.carry[rows])
+        unconditional = None if hidden_uncond is None else hidden_uncond[index]
+        logits = self.logits(request.canvas[rows] if self.reads_canvas else None, conditional, unconditional)
+        scores = score_logits(logits, self.sampling, request.seeds, request.counters, request.temperature)
+        if request.needs_salience:
+            scores.salience = logit_salience(logits)
+        return scores
+
+    def first_token_scores(self, rows: torch.Tensor, canvas: torch.Tensor):
+        """Fast-dLLM v2's greedy pick from the carried hidden states: (token, log-probability, entropy) per row."""
+        logits = self.logits(canvas[rows] if self.reads_canvas else None, self.carry, None).float()
+        logits[:, self.cfg.mask_token_id] = float("-inf")
+        logp = torch.log_softmax(logits, -1)
+        token = logits.argmax(-1)
+        entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+        return token, logp.gather(1, token[:, None]).squeeze(1), entropy
+
+    @property
+    def reads_canvas(self) -> bool:
+        return self.cfg.repetition_penalty != 1.0 or self.cfg.logits_processor is not None
+
+    def logits(self, context: torch.Tensor | None, hidden: torch.Tensor,
+               hidden_uncond: torch.Tensor | None) -> torch.Tensor:
+        """LM head on gathered hidden states, then guidance and the logits processors ([n, V]; the model's dtype
+        unless a processor needs float32: the fused scoring reads bf16 logits as they are). `context`: the rows'
+        canvases, read by the repetition penalty and the processors."""
+        cfg = self.cfg
+        logits = self.lm_head(hidden)
+        if hidden_uncond is not None:
+            uncond = self.lm_head(hidden_uncond).float()
+            logits = uncond + (cfg.cfg_scale + 1) * (logits.float() - uncond)
+        if cfg.repetition_penalty != 1.0:
+            logits = logits.float()
+            present = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, context, True)
+            present[:, cfg.mask_token_id] = False
+            penalty = cfg.repetition_penalty
+            logits = torch.where(present, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+        if cfg.logits_processor is not None:
+            logits = cfg.logits_processor(context, logits)
+        return logits

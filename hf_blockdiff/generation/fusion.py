@@ -1,0 +1,69 @@
+"""How the decoder layers run while decoding: as they are, with fused Triton RMSNorms, or compiled.
+
+`decoding_mode(model, fusion)` routes the model's attention through hf_blockdiff for the duration of a block and,
+with `fusion="norms"`, runs its stock RMSNorms as one Triton kernel each, with `fusion="compile"` its decoder layers
+through torch.compile (inductor fuses norms, rotary embedding and the gated MLP's activation; the cache write and the
+attention stay eager between the compiled pieces). Everything is restored after, also when the block raises.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+
+import torch
+
+from ..attention import ATTENTION_NAME, AttentionBackend
+from ..config import BlockDiffusionConfig
+from ..kernels.rmsnorm import rms_norm
+from ..tensor_parallel import tensor_parallel_size
+
+# transformers' RMSNorm classes whose forward is exactly kernels.rmsnorm.rms_norm_reference
+STOCK_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm")
+
+
+def fusion_for(cfg: BlockDiffusionConfig, backend: AttentionBackend, graphs: bool, device: torch.device,
+               model) -> str:
+    """"compile" (config `compile`, by default on with CUDA graphs unless tensor-parallel), else "norms" beside a
+    backend that fuses them, else "none"."""
+    compile_ = cfg.compile
+    if compile_ is None:
+        compile_ = graphs and device.type == "cuda" and tensor_parallel_size(model) == 1
+    return "compile" if compile_ else "norms" if backend.fuses_norms else "none"
+
+
+def _fused_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated decoder layers: the ModuleList with one module per hidden layer."""
+    count = model.config.get_text_config().num_hidden_layers
+    return next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count), [])
+
+
+@functools.cache
+def compiled_forward(layer_type: type):
+    """One torch.compile'd forward per decoder-layer class, shared by every layer of every model of that class.
+    Shapes are dynamic, so windows of any size reuse it; the layer index is not specialized on."""
+    return torch.compile(layer_type.forward, dynamic=True)
+
+
+@contextmanager
+def decoding_mode(model: torch.nn.Module, fusion: str = "none"):
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
+    norms = [m for m in model.modules() if type(m).__name__ in STOCK_RMS_NORMS] if fusion == "norms" else []
+    layers = decoder_layers(model) if fusion == "compile" else []
+    for norm in norms:
+        norm.forward = _fused_rms_norm_forward.__get__(norm)
+    for layer in layers:
+        layer.forward = compiled_forward(type(layer)).__get__(layer)
+    try:
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            yield
+    finally:
+        config._attn_implementation = previous
+        for module in norms + layers:
+            del module.forward

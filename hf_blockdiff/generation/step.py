@@ -1,0 +1,61 @@
+"""One decode step, top to bottom (docs/design.md, "Architecture").
+
+    layout  = scheduler.forward_layout()       which tokens run, where their keys are
+    hidden  = executor.forward(layout)         the HF forward over the paged cache
+    stored  = scheduler.stored(...)            what that forward committed ...
+              executor.commit(stored, ...)     ... advances the cache (and Fast-dLLM v2 decides a first token)
+    request = scheduler.score_request(...)     the undecided positions of the active blocks
+    scores  = executor.score(request, ...)     LM head, guidance, processors, proposal/confidence/entropy
+    scheduler.apply(scheduler.decide(...))     the strategy's Decision, written by the state's one writer
+    scheduler.end_step()                       finished slots, and the next forward's plan
+
+With capacities given every shape is fixed and nothing syncs with the host, so the step can be captured as a CUDA
+graph (`graphs.StepGraphs`); without, it is sized to the work and skips the forward when no slot has any.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..scheduler import Decision, ForwardLayout, Scheduler, Stored
+from .executor import ModelExecutor
+
+
+class DecodeStep:
+    def __init__(self, scheduler: Scheduler, executor: ModelExecutor):
+        self.scheduler, self.executor = scheduler, executor
+
+    def __call__(self, chunk_capacity: int | None = None, logit_capacity: int | None = None) -> None:
+        scheduler, executor = self.scheduler, self.executor
+        if chunk_capacity is not None or scheduler.has_work():
+            status = scheduler.state.status()
+            layout = scheduler.forward_layout(chunk_capacity)
+            hidden, hidden_uncond = executor.forward(layout)
+            self._store(layout, scheduler.stored(layout.chunks), hidden)
+            request = scheduler.score_request(status, logit_capacity)
+            scores = executor.score(request, layout.chunks, hidden, hidden_uncond)
+            scheduler.apply(scheduler.decide(request, status, scores))
+        scheduler.end_step()
+
+    def admit(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor) -> None:
+        """Load `prompts` into `slots`, prefill what precedes their first decode block, plan their first step."""
+        scheduler = self.scheduler
+        scheduler.admit(slots, prompts, seeds)
+        self.executor.cache.reset_rows(slots)
+        prefill = scheduler.prefill_layout(slots, self.executor.backend.prefill_chunk(scheduler.chunk))
+        if prefill is not None:
+            layout, stored = prefill
+            hidden, _ = self.executor.forward(layout)
+            self._store(layout, stored, hidden)
+        loaded = torch.zeros_like(scheduler.state.done)
+        loaded[slots] = True
+        scheduler.prepare(loaded)
+
+    def _store(self, layout: ForwardLayout, stored: Stored | None, hidden: torch.Tensor) -> None:
+        if stored is None:
+            return
+        self.executor.commit(stored, layout.chunks, hidden)
+        if self.scheduler.policy.first_token_on_store:
+            rows, position, open_ = self.scheduler.first_token_request(stored)
+            token, logprob, entropy = self.executor.first_token_scores(rows, self.scheduler.state.canvas)
+            self.scheduler.apply(Decision(rows, position, token, logprob, entropy, open_))

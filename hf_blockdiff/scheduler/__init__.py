@@ -1,0 +1,10 @@
+"""The model-free half of a decode step: decode state, window policies, strategies' decisions
+(docs/design.md, "Architecture"). Nothing here imports transformers, torch.nn or model code."""
+
+from .chunks import Chunks, plan_chunks
+from .scheduler import ActiveBlocks, ForwardLayout, Scheduler, ScoreRequest
+from .state import BlockStatus, DecodeState, Decision, geometry
+from .windows import Stored, window_policy
+
+__all__ = ["ActiveBlocks", "BlockStatus", "Chunks", "DecodeState", "Decision", "ForwardLayout", "Scheduler",
+           "ScoreRequest", "Stored", "geometry", "plan_chunks", "window_policy"]

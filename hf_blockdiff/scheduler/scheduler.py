@@ -1,0 +1,276 @@
+"""The scheduler: decode state, window policy and strategy, and nothing of the model (docs/design.md, "Architecture").
+
+Per step it lays out the next forward (`forward_layout`), says what that forward stored (`stored`), asks for scores
+of the undecided positions of the active blocks (`score_request`), turns the scores into a `Decision` (`decide`) and
+prepares the step after (`end_step`). The model executor fills in hidden states and scores between those calls. All
+of it is tensor ops on fixed shapes: with capacities given, a step has no host sync and can be captured as a CUDA
+graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import BlockDiffusionConfig
+from ..kernels.rng import uniform_noise
+from ..scoring import Scores
+from ..strategies import STRATEGIES, BlockScores, StrategyParams
+from .chunks import Chunks, plan_chunks
+from .state import BlockStatus, DecodeState, Decision
+from .windows import Stored, window_policy
+
+
+@dataclass
+class ForwardLayout:
+    """One forward: the chunks (virtual rows) of every slot's window, their tokens and per-query key limits, and the
+    unconditional tokens (prompt masked) when classifier-free guidance runs them beside."""
+
+    chunks: Chunks
+    tokens: torch.Tensor  # [N, C]
+    positions: torch.Tensor  # [N, C]
+    key_limits: torch.Tensor  # [N, C]
+    unconditional: torch.Tensor | None = None
+
+
+@dataclass
+class ActiveBlocks:
+    """Each slot's active blocks in order, [R, K] (`valid` False past the last one), and their positions."""
+
+    blocks: torch.Tensor  # [R, K] decode-block index (clamped)
+    valid: torch.Tensor  # [R, K]
+    positions: torch.Tensor  # [R, K, B]
+    candidates: torch.Tensor  # [R, K, B] undecided positions the strategy may commit
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return torch.arange(self.blocks.shape[0], device=self.blocks.device)[:, None].expand_as(self.blocks)
+
+
+@dataclass
+class ScoreRequest:
+    """The positions to score, gathered from the [R, K, B] grid of active blocks into `pick` (fixed length inside a
+    CUDA graph: `picked` marks the real ones), with each one's sampling seed, noise counter and temperature."""
+
+    active: ActiveBlocks
+    pick: torch.Tensor  # [n] flat indices into the grid
+    picked: torch.Tensor  # [n] bool
+    rows: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n]
+    seeds: torch.Tensor  # [n]
+    counters: torch.Tensor  # [n]
+    temperature: torch.Tensor | None  # [n] per-position temperatures, or None for the config's one
+    canvas: torch.Tensor  # [R, width + 1] the canvases, read by logits processors
+    needs_salience: bool
+
+
+class Scheduler:
+    def __init__(self, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int, device: torch.device):
+        self.cfg = cfg
+        self.state = state = DecodeState(slots, width, max_blocks, cfg, device)
+        self.policy = window_policy(cfg)
+        self.strategy = STRATEGIES[cfg.strategy]
+        self.params = StrategyParams(
+            threshold=cfg.effective_threshold, fallback=cfg.fallback, strict=cfg.strict_threshold,
+            entropy_budget=cfg.entropy_budget, relative_alpha=cfg.relative_alpha, factor=cfg.factor,
+            steps=cfg.steps_per_block, dream_eps=cfg.dream_eps,
+        )
+        self.active_blocks = min(cfg.max_active_blocks, max_blocks)
+        self.chunk = cfg.block_size if cfg.block_size <= 64 else 64  # tokens per virtual row
+        self.stop_ids = torch.tensor(cfg.stopping_ids, dtype=torch.long, device=device)
+        self.active = torch.zeros_like(state.full)  # the next forward's plan, in fixed buffers
+        self.store, self.span_start, self.span_end = (torch.zeros_like(state.added) for _ in range(3))
+        self.chunk_total = torch.zeros((), dtype=torch.long, device=device)
+
+    @property
+    def num_forwards(self) -> int:
+        return int(self.state.forward_index)
+
+    def chunk_bound(self) -> int | None:
+        """The most chunks one slot's window can need in any step, where the mode bounds it."""
+        if self.active_blocks > 1:
+            return None
+        return self.policy.chunk_bound(self.state.block_size, self.chunk)
+
+    # -- admission ---------------------------------------------------------------------------------------------------
+
+    def start_call(self) -> None:
+        self.state.start_call()
+
+    def admit(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor) -> None:
+        self.state.load(slots, prompts, seeds)
+
+    def prefill_layout(self, slots: torch.Tensor, chunk_size: int) -> tuple[ForwardLayout, Stored] | None:
+        """The forward that writes the prefix before the first decode block of `slots` into the cache, and what it
+        stores; None when the mode caches no prefix or the slots have none."""
+        state = self.state
+        if not self.policy.prefills:
+            return None
+        chosen = torch.zeros_like(state.done)
+        chosen[slots] = True
+        end = torch.where(chosen, state.first_block_start, 0)
+        if not bool((end > 0).any()):
+            return None
+        state.count_forward(1)
+        layout = self._layout(plan_chunks(torch.zeros_like(end), end, chunk_size))
+        return layout, Stored(end > 0, end, torch.zeros_like(end))
+
+    # -- one step ----------------------------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        """Whether the prepared forward has any chunk (a host sync)."""
+        return bool(self.chunk_total)
+
+    def forward_layout(self, capacity: int | None) -> ForwardLayout:
+        """The prepared forward, in `capacity` chunks (None: as many as needed). A fixed-shape forward with nothing
+        to do is not counted."""
+        self.state.count_forward(self.chunk_total > 0)
+        return self._layout(plan_chunks(self.span_start, self.span_end, self.chunk, capacity))
+
+    def _layout(self, chunks: Chunks) -> ForwardLayout:
+        state = self.state
+        positions = chunks.positions.clamp(max=state.width)
+        tokens = state.canvas[chunks.rows[:, None], positions]
+        unconditional = None
+        if self.cfg.cfg_scale > 0:
+            prompt = positions < state.prompt_len[chunks.rows][:, None]
+            unconditional = tokens.masked_fill(prompt, self.cfg.mask_token_id)
+        return ForwardLayout(chunks, tokens, positions, self.policy.key_limits(state, chunks), unconditional)
+
+    def stored(self, chunks: Chunks) -> Stored | None:
+        """What the forward over `chunks` committed to the cache; the state counts the stored blocks."""
+        stored = self.policy.stored(self.state, chunks, self.store)
+        if stored is not None:
+            self.state.mark_stored(stored.blocks)
+        return stored
+
+    def first_token_request(self, stored: Stored) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fast-dLLM v2: (rows, position, open) of the first position after each slot's stored prefix, which the
+        storing forward decides when it is still undecided."""
+        state = self.state
+        rows = torch.arange(state.num_rows, device=stored.has.device)
+        position = stored.length.clamp(max=state.width)
+        open_ = stored.has & (position < state.row_end) & (state.canvas[rows, position] == self.cfg.mask_token_id)
+        return rows, position, open_
+
+    def score_request(self, status: BlockStatus, capacity: int | None) -> ScoreRequest:
+        """The undecided positions of the active blocks, `capacity` of them (None: exactly those)."""
+        state = self.state
+        active = self._active_blocks(status)
+        rows_all = active.rows[..., None].expand_as(active.positions)
+        flat = active.candidates.reshape(-1)
+        if capacity is None:
+            pick = torch.nonzero(flat).flatten()
+        else:
+            pick = torch.sort((~flat).to(torch.int8), stable=True).indices[:capacity]
+        rows, positions = rows_all.reshape(-1)[pick], active.positions.reshape(-1)[pick]
+        temperature = None
+        if self.cfg.pos_temp_slope and self.cfg.temperature > 0:
+            offsets = pick % active.positions.shape[-1]
+            span = max(self.cfg.block_size - 1, 1)
+            temperature = self.cfg.temperature * (1 + self.cfg.pos_temp_slope * offsets.float() / span)
+        return ScoreRequest(active, pick, flat[pick], rows, positions, state.seed[rows],
+                            self.counter(rows, positions), temperature, state.canvas,
+                            "salience" in self.strategy.needs)
+
+    def counter(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Noise counter of (slot, position) at this step: unique per position and per step of the slot."""
+        return positions * 65599 + self.state.draws[rows]
+
+    def _active_blocks(self, status: BlockStatus) -> ActiveBlocks:
+        state, never = self.state, self.active.shape[1]
+        blocks = torch.sort(torch.where(self.active, state.block_index, never), dim=1).values[:, : self.active_blocks]
+        valid = blocks < never
+        blocks = blocks.clamp(max=never - 1)
+        rows = torch.arange(len(blocks), device=blocks.device)[:, None]
+        candidates = self.policy.candidates(status.masked[rows, blocks] & valid[..., None])
+        return ActiveBlocks(blocks, valid, state.positions[rows, blocks], candidates)
+
+    def decide(self, request: ScoreRequest, status: BlockStatus, scores: Scores) -> Decision:
+        """The strategy's choice among the candidates, with the bookkeeping it keeps."""
+        state, active = self.state, request.active
+        shape, flat_size = active.candidates.shape, active.candidates.numel()
+        target = torch.where(request.picked, request.pick, flat_size)  # padding rows land past the end
+
+        def grid(values: torch.Tensor, fill) -> torch.Tensor:
+            out = torch.full((flat_size + 1,), fill, dtype=values.dtype, device=values.device)
+            out[target] = values
+            return out[:-1].view(shape)
+
+        block_scores = self._block_scores(request, status, grid, scores)
+        transfer = self.strategy.select(block_scores, self.params).view(shape) & active.candidates
+        return Decision(
+            rows=active.rows[..., None].expand_as(active.positions), positions=active.positions,
+            tokens=grid(scores.proposal, 0), logprob=grid(scores.logprob.float(), 0.0),
+            entropy=grid(scores.entropy.float(), 0.0), commit=transfer,
+            proposal_rows=request.rows, proposals=scores.proposal,
+            proposal_positions=torch.where(request.picked, request.positions, state.width),
+            forced_rows=active.rows, forced_blocks=active.blocks, forced=block_scores.forced.view(active.blocks.shape),
+            stepped=active.valid.any(-1),
+        )
+
+    def _block_scores(self, request: ScoreRequest, status: BlockStatus, grid, scores: Scores) -> BlockScores:
+        state, active = self.state, request.active
+        rows, blocks = active.rows, active.blocks
+        full = state.full[rows, blocks] & active.valid
+        forced = full & (torch.cumsum(full.long(), dim=1) == 1)  # the lowest fully-activated active block
+        width = active.candidates.shape[-1]
+        block_scores = BlockScores(
+            masked=active.candidates.view(-1, width),
+            confidence=grid(scores.confidence.float(), 0.0).view(-1, width),
+            entropy=grid(scores.entropy.float(), float("inf")).view(-1, width),
+            margin=grid(scores.margin.float(), 0.0).view(-1, width),
+            scheduled=state.schedule(rows, blocks, status.remaining[rows, blocks]).view(-1),
+            forced=forced.view(-1),
+            step=state.forced_steps[rows, blocks].view(-1),
+            proposal=grid(scores.proposal, -1).view(-1, width),
+        )
+        needs = self.strategy.needs
+        positions = active.positions.clamp(max=state.width)
+        if "previous" in needs:
+            block_scores.previous = state.previous[rows[..., None], positions].view(-1, width)
+        if "salience" in needs:
+            block_scores.salience = grid(scores.salience, float("-inf")).view(-1, width)
+        if "noise" in needs:
+            counter = self.counter(rows[..., None].expand_as(positions), positions)
+            seeds = state.seed[rows][..., None].expand_as(positions)
+            block_scores.noise = uniform_noise(seeds.reshape(-1), counter.reshape(-1), 1).view(-1, width)
+        return block_scores
+
+    def apply(self, decision: Decision) -> None:
+        self.state.apply(decision)
+
+    def end_step(self) -> None:
+        """Mark finished slots, then prepare the next forward of the others."""
+        state = self.state
+        self.prepare(~state.done, self._finish(state.status()))
+
+    def _finish(self, status: BlockStatus) -> BlockStatus:
+        """Mark the slots that are done; returns the canvas's status (after the EOS fill, if any)."""
+        state = self.state
+        if self.cfg.eos_fill and self.stop_ids.numel():
+            state.fill_after_stop(self.stop_ids)
+            status = state.status()
+        finished = self.policy.finished(state, status)
+        if self.stop_ids.numel():
+            finished |= self.policy.stopped(state, status, self.stop_ids)
+        state.finish(finished)
+        return status
+
+    def prepare(self, slots: torch.Tensor, status: BlockStatus | None = None) -> None:
+        """Decide the next forward of `slots` ([R] bool): activate blocks and lay out their windows, in fixed buffers
+        (so a captured step can prepare its successor); `chunk_total` is its size."""
+        state = self.state
+        status = status or state.status()
+        state.activate(status, slots)
+        is_added = state.block_index < state.added[:, None]
+        active = is_added & ~status.complete & ~state.done[:, None]
+        store = self.policy.store_count(state, status)
+        active = self.policy.decoding(active, store)
+        start, end = self.policy.spans(state, status, active, store)
+        for buffer, value in ((self.active, active), (self.store, store), (self.span_start, start),
+                              (self.span_end, end)):
+            buffer.copy_(torch.where(slots.view(-1, *[1] * (value.dim() - 1)), value, buffer))
+        lengths = (self.span_end - self.span_start).clamp(min=0)
+        self.chunk_total.copy_(((lengths + self.chunk - 1) // self.chunk).sum())

@@ -1,0 +1,205 @@
+"""Window policies: one class per decoding mode (docs/design.md, "The decode loop" and "Architecture").
+
+A policy answers, for every slot and from the decode state alone: which span of canvas positions the next forward
+runs (`spans`), which keys each query may see (`key_limits`), which finished blocks that forward stores
+(`store_count`) and what it committed to the cache afterwards (`stored`), which undecided positions the strategy may
+commit (`candidates`), when a slot is finished or stopped, and the most chunks one slot's window can need (the chunk
+bound that lets small CUDA-graph steps chain). Everything is tensor ops on fixed shapes; no policy knows the model.
+
+    FullRecompute   bidirectional models, the whole canvas every step (LLaDA, Dream)
+    PrefixCache     Fast-dLLM v1: the whole canvas at each block start, then the block and everything after it
+    DualCache       Fast-dLLM v1: the whole canvas at each block start, then the block alone
+    BlockCausal     exact cache, one block; a finished block is stored in the next block's first forward
+    MultiBlock      exact cache, several active blocks (d3LLM): windows have no bound
+    StoreForward    exact cache, a forward of its own stores each finished block (SDAR's reference count)
+    SubBlocks       Fast-dLLM v2: store forwards, sub-block by sub-block, the storing forward decides the next
+                    block's first token
+
+A new mode is a subclass here, chosen in `window_policy`, and a test against a plain reference loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import BlockDiffusionConfig
+from .chunks import Chunks
+from .state import BlockStatus, DecodeState
+
+
+@dataclass
+class Stored:
+    """What a forward committed to the cache: slots `has` now hold `length` final positions, `blocks` more decode
+    blocks than before (0 where an approximate cache stored a prefix)."""
+
+    has: torch.Tensor  # [R] bool
+    length: torch.Tensor  # [R]
+    blocks: torch.Tensor  # [R]
+
+
+class FullRecompute:
+    prefills = False  # nothing before the first decode block is cached
+    first_token_on_store = False  # the storing forward also decides the next block's first token
+
+    def __init__(self, cfg: BlockDiffusionConfig):
+        self.cfg = cfg
+
+    def key_limits(self, state: DecodeState, chunks: Chunks) -> torch.Tensor:
+        """Per-query key limits of the chunks (0 for padding): the whole canvas."""
+        limit = state.row_end[chunks.rows][:, None].expand_as(chunks.positions)
+        return torch.where(chunks.valid, limit, 0)
+
+    def store_count(self, state: DecodeState, status: BlockStatus) -> torch.Tensor:
+        """[R] finished blocks the next forward stores."""
+        return torch.zeros_like(state.added)
+
+    def decoding(self, active: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
+        """The active blocks ([R, NB] bool) the next forward decides."""
+        return active
+
+    def spans(self, state: DecodeState, status: BlockStatus, active: torch.Tensor, store: torch.Tensor):
+        """Each slot's window [start, end); empty for slots with nothing to do."""
+        rows = torch.arange(state.num_rows, device=active.device)
+        start, end = self.span(state, rows)
+        work = active.any(-1) & ~state.done
+        return start, torch.where(work, end, start)
+
+    def span(self, state: DecodeState, rows: torch.Tensor):
+        return torch.zeros_like(rows), state.row_end
+
+    def stored(self, state: DecodeState, chunks: Chunks, store: torch.Tensor) -> Stored | None:
+        """What the forward over `chunks` committed to the cache (None: nothing)."""
+        return None
+
+    def candidates(self, candidates: torch.Tensor) -> torch.Tensor:
+        """Undecided positions ([R, K, B]) of the active blocks that the strategy may commit this step."""
+        return candidates
+
+    def finished(self, state: DecodeState, status: BlockStatus) -> torch.Tensor:
+        """[R]: every block was added and is complete."""
+        return (state.added == state.num_blocks) & status.complete.all(-1)
+
+    def stopped(self, state: DecodeState, status: BlockStatus, stop_ids: torch.Tensor) -> torch.Tensor:
+        """[R]: the block of the slot's first stop token is complete and nothing before it is undecided."""
+        block, has_stop = state.stop_block(stop_ids)
+        return has_stop & state.settled_through(status, block)
+
+    def chunk_bound(self, block_size: int, chunk: int) -> int | None:
+        """The most chunks one slot's window needs in any step, where the mode bounds it."""
+        return None
+
+
+class PrefixCache(FullRecompute):
+    def span(self, state: DecodeState, rows: torch.Tensor):
+        block = (state.added - 1).clamp(min=0)
+        fresh = state.forced_steps[rows, block] == 0
+        start = torch.where(fresh, 0, state.first_block_start + block * state.block_size)
+        return start, self.span_end(state, rows, block, fresh)
+
+    def span_end(self, state: DecodeState, rows: torch.Tensor, block: torch.Tensor, fresh: torch.Tensor):
+        return state.row_end
+
+    def stored(self, state: DecodeState, chunks: Chunks, store: torch.Tensor) -> Stored:
+        """A block-start forward ran the whole canvas: its prefix is as final as it gets."""
+        block_start = state.first_block_start + (state.added - 1).clamp(min=0) * state.block_size
+        return Stored((chunks.start == 0) & (chunks.end > chunks.start), block_start, torch.zeros_like(block_start))
+
+
+class DualCache(PrefixCache):
+    def span_end(self, state: DecodeState, rows: torch.Tensor, block: torch.Tensor, fresh: torch.Tensor):
+        return torch.where(fresh, state.row_end, state.block_end(rows, block))
+
+
+class BlockCausal(FullRecompute):
+    prefills = True
+
+    def key_limits(self, state: DecodeState, chunks: Chunks) -> torch.Tensor:
+        """The end of each query's block."""
+        return torch.where(chunks.valid, state.key_limit(chunks.rows, chunks.positions), 0)
+
+    def store_count(self, state: DecodeState, status: BlockStatus) -> torch.Tensor:
+        return state.leading_complete(status)
+
+    def spans(self, state: DecodeState, status: BlockStatus, active: torch.Tensor, store: torch.Tensor):
+        """From the first block not in the cache to the last one added (or the last one to store)."""
+        rows = torch.arange(state.num_rows, device=active.device)
+        first = state.stored
+        start = state.first_block_start + first * state.block_size
+        end = state.block_end(rows, (self.last_block(state, store) - 1).clamp(min=0))
+        work = self.works(active, store) & ~state.done
+        return start, torch.where(work, end, start)
+
+    def last_block(self, state: DecodeState, store: torch.Tensor) -> torch.Tensor:
+        return state.added
+
+    def works(self, active: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
+        return active.any(-1)
+
+    def stored(self, state: DecodeState, chunks: Chunks, store: torch.Tensor) -> Stored:
+        """The finished blocks at the window's front were computed from final tokens."""
+        rows = torch.arange(state.num_rows, device=store.device)
+        has = (store > 0) & (chunks.end > chunks.start)
+        length = state.block_end(rows, (state.stored + store - 1).clamp(min=0))
+        return Stored(has, length, torch.where(has, store, 0))
+
+    def chunk_bound(self, block_size: int, chunk: int) -> int | None:
+        """The block and, stored in the same forward, the finished block before it."""
+        return 2 * -(-block_size // chunk)
+
+
+class MultiBlock(BlockCausal):
+    def chunk_bound(self, block_size: int, chunk: int) -> int | None:
+        """None: complete blocks wait in the window until every block before them is complete."""
+        return None
+
+
+class StoreForward(BlockCausal):
+    def decoding(self, active: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
+        """A storing forward decides nothing."""
+        return active & (store == 0)[:, None]
+
+    def last_block(self, state: DecodeState, store: torch.Tensor) -> torch.Tensor:
+        return torch.where(store > 0, state.stored + store, state.added)
+
+    def works(self, active: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
+        return active.any(-1) | (store > 0)
+
+    def finished(self, state: DecodeState, status: BlockStatus) -> torch.Tensor:
+        return super().finished(state, status) & (state.stored == state.num_blocks)
+
+    def stopped(self, state: DecodeState, status: BlockStatus, stop_ids: torch.Tensor) -> torch.Tensor:
+        """The stop token's block must be stored as well (the reference stores it before it stops)."""
+        block, _ = state.stop_block(stop_ids)
+        return super().stopped(state, status, stop_ids) & (state.stored > block)
+
+    def chunk_bound(self, block_size: int, chunk: int) -> int | None:
+        if self.cfg.max_active_blocks > 1:
+            return None
+        return -(-block_size // chunk)
+
+
+class SubBlocks(StoreForward):
+    def __init__(self, cfg: BlockDiffusionConfig):
+        super().__init__(cfg)
+        self.first_token_on_store = cfg.first_token_on_store
+        self.sub_block_size = cfg.sub_block_size or cfg.block_size
+
+    def candidates(self, candidates: torch.Tensor) -> torch.Tensor:
+        """Only the first sub-block that still has masks."""
+        sub, shape = self.sub_block_size, candidates.shape
+        has_mask = candidates.view(*shape[:2], shape[2] // sub, sub).any(-1)
+        first = has_mask.int().argmax(-1, keepdim=True)
+        return candidates & (torch.arange(shape[2], device=candidates.device) // sub == first)
+
+
+def window_policy(cfg: BlockDiffusionConfig) -> FullRecompute:
+    """The policy of a resolved config."""
+    if cfg.attention == "bidirectional":
+        return {"none": FullRecompute, "prefix": PrefixCache, "dual": DualCache}[cfg.approx_cache](cfg)
+    if cfg.sub_block_size or cfg.first_token_on_store:
+        return SubBlocks(cfg)
+    if not cfg.fused_store:
+        return StoreForward(cfg)
+    return MultiBlock(cfg) if cfg.max_active_blocks > 1 else BlockCausal(cfg)
