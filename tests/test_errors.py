@@ -128,3 +128,16 @@ def test_generation_leaves_weights_and_training_forward_unchanged(model):
     assert_unchanged(model, before)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before_logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "threshold", "top_p", "cfg_scale"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_settings_are_refused(field, value):
+    """Such settings used to make no step commit anything, so the call never ended."""
+    with pytest.raises(ValueError, match=f"BlockDiffusionConfig.{field}=.*pass a finite number"):
+        BlockDiffusionConfig(**{field: value})
+
+
+def test_sub_blocks_need_store_forwards():
+    with pytest.raises(ValueError, match="sub_block_size=2 .*fused_store=False"):
+        BlockDiffusionConfig(block_size=4, sub_block_size=2)
