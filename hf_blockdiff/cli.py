@@ -12,10 +12,10 @@ import json
 import sys
 from pathlib import Path
 
-from . import bench, demo
-from .checkpoint import DTYPES, load_pretrained
-from .distributed import generate_distributed, process_state
 from .config import BlockDiffusionConfig
+from .integrations.checkpoint import DTYPES, load_pretrained
+from .integrations.distributed import generate_distributed, process_state
+from .tools import bench, demo
 
 # BlockDiffusionConfig fields exposed as flags, with their parser
 CONFIG_FLAGS = {

@@ -10,7 +10,7 @@ from transformers import Trainer, TrainingArguments, default_data_collator
 
 import hf_blockdiff
 from hf_blockdiff import BlockDiffusionConfig
-from hf_blockdiff.completions import complete
+from hf_blockdiff.integrations.completions import complete
 
 from helpers import MASK, char_tokenizer, tiny_model
 
@@ -67,7 +67,7 @@ def test_a_raising_scorer_is_reported_and_training_goes_on(tmp_path, caplog):
     model = tiny_model("qwen3")
     trainer = make_trainer(model, tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1, logging_steps=1)
     trainer.add_callback(hf_blockdiff.BlockDiffusionEvalCallback(PROMPTS[:2], config=CFG, scorer=scorer))
-    with caplog.at_level(logging.WARNING, logger="hf_blockdiff.callbacks"):
+    with caplog.at_level(logging.WARNING, logger="hf_blockdiff.integrations.callbacks"):
         trainer.train()
     assert trainer.state.global_step == 2
     assert "scorer raised ZeroDivisionError: bad metric" in caplog.text

@@ -1,4 +1,4 @@
-"""Train the tiny SDAR-style block-diffusion demo model on the synthetic task of `hf_blockdiff.tasks`.
+"""Train the tiny SDAR-style block-diffusion demo model on the synthetic task of `hf_blockdiff.tools.tasks`.
 
 Objective (BD3-LM / SDAR): a row is `prompt + answer + <eos> + <pad>...` of `seq_len` tokens, cut into blocks of
 `block_size` at absolute positions. Each block draws a mask ratio t ~ U(0, 1] and masks each of its maskable
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedTokenizerFast
 
-from .config import BlockDiffusionConfig
-from .model_patches.sdar import SDARConfig, SDARForCausalLM
+from .. import BlockDiffusionConfig
+from ..model_patches.sdar import SDARConfig, SDARForCausalLM
 from .tasks import build_tokenizer, make_problems, problem_stream, solve
 
 EVAL_SEED = 1234

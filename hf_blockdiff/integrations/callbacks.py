@@ -1,4 +1,5 @@
-"""`BlockDiffusionEvalCallback`: block-diffusion generation on eval prompts at every `Trainer.evaluate` (DESIGN §9)."""
+"""`BlockDiffusionEvalCallback`: block-diffusion generation on eval prompts at every `Trainer.evaluate`
+(docs/design.md, "Around the loop")."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Callable
 
 from transformers import TrainerCallback
 
-from .config import BlockDiffusionConfig
+from .. import BlockDiffusionConfig
 from .distributed import generate_distributed
 
 logger = logging.getLogger(__name__)

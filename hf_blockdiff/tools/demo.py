@@ -1,7 +1,7 @@
 """`hf-blockdiff demo`: the bundled tiny SDAR model solves held-out problems with several decoding strategies.
 
 The model (`hf_blockdiff.assets.demo_model_path()`, trained by `hf-blockdiff train-tiny`) answers additions, digit
-sorting and word reversal (`hf_blockdiff.tasks`). Every row of the table decodes the same problems with
+sorting and word reversal (`hf_blockdiff.tools.tasks`). Every row of the table decodes the same problems with
 `generate_multi_block`; `--json` prints every prompt, expected answer and output so anyone can recompute the accuracy
 or re-generate a row.
 """
@@ -12,8 +12,9 @@ import json
 
 import torch
 
-from .config import BlockDiffusionConfig
-from .strategies import strategy_names
+from .. import BlockDiffusionConfig
+from ..assets import demo_model_path
+from ..strategies import strategy_names
 from .tasks import make_problems, solve
 
 DEMO_SEED = 1234
@@ -31,10 +32,6 @@ STRATEGIES = {
 
 def load_demo(path: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import hf_blockdiff  # noqa: F401  (registers the sdar model type)
-
-    from .assets import demo_model_path
 
     path = path or str(demo_model_path())
     try:

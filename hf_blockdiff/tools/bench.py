@@ -15,9 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .config import BlockDiffusionConfig
-from .profiles import model_profile
-from .patching import free_cache
+from .. import BlockDiffusionConfig, free_cache
+from ..profiles import model_profile
 
 SHAPES = {  # architecture sizes of released checkpoints (random weights; nothing is downloaded)
     "tiny": dict(model_type="sdar", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -53,8 +52,6 @@ class Measurement:
 
 def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    import hf_blockdiff  # noqa: F401  (registers the families)
 
     if model_path:
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
@@ -204,7 +201,7 @@ def print_report(report: dict) -> None:
 
 def run_bench(args) -> None:
     if args.kernels:
-        from .kernels import microbench
+        from . import microbench
 
         microbench.print_table(microbench.run(device=args.device, flex=args.flex))
         return

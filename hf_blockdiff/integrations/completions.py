@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import BlockDiffusionConfig
+from .. import BlockDiffusionConfig
 
 
 @dataclass
