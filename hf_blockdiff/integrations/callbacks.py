@@ -33,7 +33,8 @@ class BlockDiffusionEvalCallback(TrainerCallback):
     scorer(completions, references) -> float | dict[str, float]: completions are texts when there is a tokenizer,
     else token-id lists; a float is logged as `eval_blockdiff_score`, a dict key by key. Default: exact match
     against `references` (`eval_blockdiff_accuracy`). A scorer that raises is reported as a warning; training goes on.
-    Also logged: num_forwards, tokens_per_forward and tok_s of the generation.
+    Also logged: num_forwards (batched forwards of the generation), tokens_per_forward (tokens committed per decoding
+    step of a prompt, as `BlockDiffusionOutput.tokens_per_forward`, whatever the batch size) and tok_s.
     every_n_evals: generate at the first evaluation and every n-th after it.
 
     The metrics join the dict `Trainer.evaluate` returns (so `metric_for_best_model="eval_blockdiff_accuracy"` works)
