@@ -22,11 +22,13 @@ same weights.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -105,8 +107,14 @@ def build_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -> SDA
 
 
 def save_checkpoint(model: SDARForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: str) -> None:
+    """Weights, tokenizer and a config.json without the legacy `torch_dtype` key. The SDAR config writes it beside
+    `dtype` for the released remote code, which this checkpoint never meets; transformers warns when it loads it."""
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    path = Path(out_dir) / "config.json"
+    config = json.loads(path.read_text())
+    del config["torch_dtype"]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def block_causal_mask(length: int, block_size: int) -> torch.Tensor:
