@@ -7,7 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hf_blockdiff import BlockDiffusionConfig
-from hf_blockdiff.bench import build_model
+from hf_blockdiff.tools.bench import build_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch-size", type=int, default=1)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hf_blockdiff import train_tiny
+from hf_blockdiff.tools import train_tiny
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "hf_blockdiff" / "assets" / "demo_model"
 

@@ -30,7 +30,7 @@ _patching.patch_known_classes()
 
 def __getattr__(name: str):
     if name == "BlockDiffusionEvalCallback":  # imported on first use: it brings in the Trainer machinery
-        from .callbacks import BlockDiffusionEvalCallback
+        from .integrations.callbacks import BlockDiffusionEvalCallback
 
         return BlockDiffusionEvalCallback
     raise AttributeError(f"module 'hf_blockdiff' has no attribute {name!r}")

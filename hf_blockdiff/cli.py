@@ -12,34 +12,65 @@ import json
 import sys
 from pathlib import Path
 
-from . import bench, demo
-from .checkpoint import DTYPES, load_pretrained
-from .distributed import generate_distributed, process_state
-from .config import BlockDiffusionConfig
+from .assets import demo_model_path
+from .config import ATTENTION_BACKENDS, FALLBACKS, BlockDiffusionConfig
+from .integrations.checkpoint import DTYPES, load_pretrained
+from .integrations.completions import encode
+from .integrations.distributed import generate_distributed, process_state
+from .profiles import ALIGNMENTS, ATTENTIONS, model_profile
+from .strategies import strategy_names
+from .tools import bench, demo
 
-# BlockDiffusionConfig fields exposed as flags, with their parser
+DEMO_MODEL = "demo"  # --model demo: the bundled demo model
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(BlockDiffusionConfig)}
+FROM_MODEL = "(default: the model's)"
+# BlockDiffusionConfig fields exposed as flags: parser and help; a field whose default is not None gets
+# "(default: ...)" appended, the others say in their help what decides them
 CONFIG_FLAGS = {
-    "mask_token_id": int, "block_size": int, "steps_per_block": int, "max_new_tokens": int, "strategy": str,
-    "threshold": float, "fallback": str, "temperature": float, "top_k": int, "top_p": float,
-    "max_active_blocks": int, "block_add_threshold": float, "decoded_token_threshold": float, "alignment": str,
-    "attention": str, "pad_token_id": int, "attention_backend": str, "page_size": int,
+    "mask_token_id": (int, f"id written at undecided positions {FROM_MODEL}"),
+    "block_size": (int, f"positions decoded together {FROM_MODEL}"),
+    "steps_per_block": (int, "decoding steps per block of the scheduled strategies (default: the block size)"),
+    "max_new_tokens": (int, f"tokens generated per prompt (default: {DEFAULTS['max_new_tokens']}, or fewer where "
+                            "the model's max_position_embeddings cannot hold that many after the longest prompt: "
+                            "then as many whole blocks as fit)"),
+    "strategy": (str, f"which positions each step commits: {', '.join(strategy_names())}"),
+    "threshold": (float, "τ of the threshold strategies (default: the strategy's own)"),
+    "fallback": (str, f"what low_confidence_dynamic commits when too few positions pass the threshold: "
+                      f"{', '.join(FALLBACKS)}"),
+    "temperature": (float, "0 decodes greedily, above 0 samples"),
+    "top_k": (int, "sample among the k most likely tokens; 0 or less is off"),
+    "top_p": (float, "nucleus sampling; 1 is off"),
+    "max_active_blocks": (int, "blocks decoded at once; above 1 is multi-block decoding"),
+    "block_add_threshold": (float, "progress of the last block at which the next one is added (multi-block)"),
+    "decoded_token_threshold": (float, "progress of a block's predecessor at which the block must make progress "
+                                       "(multi-block)"),
+    "alignment": (str, f"where blocks start: {', '.join(ALIGNMENTS)} {FROM_MODEL}"),
+    "attention": (str, f"attention rule of the model: {', '.join(ATTENTIONS)} {FROM_MODEL}"),
+    "pad_token_id": (int, f"id written after the first stop token {FROM_MODEL}"),
+    "attention_backend": (str, f"attention kernels: {', '.join(ATTENTION_BACKENDS)} (auto: Triton on CUDA, sdpa "
+                               "on CPU)"),
+    "page_size": (int, "tokens per KV-cache page, a power of two"),
 }
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("decoding (BlockDiffusionConfig fields; unset ones come from the model)")
-    for name, kind in CONFIG_FLAGS.items():
-        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None)
-    group.add_argument("--eos-token-id", dest="eos_token_id", type=int, nargs="*", default=None)
-    group.add_argument("--logit-shift", dest="logit_shift", action=argparse.BooleanOptionalAction, default=None)
-    group.add_argument("--early-stop", dest="early_stop", action=argparse.BooleanOptionalAction, default=None)
-    group.add_argument("--fused-store", dest="fused_store", action=argparse.BooleanOptionalAction, default=None)
+    for name, (kind, text) in CONFIG_FLAGS.items():
+        default = DEFAULTS[name]
+        text = text if default is None or "(default:" in text else f"{text} (default: {default})"
+        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+    group.add_argument("--eos-token-id", dest="eos_token_id", type=int, nargs="*", default=None,
+                       help=f"stop token ids; the flag with no ids never stops early {FROM_MODEL}")
+    group.add_argument("--logit-shift", dest="logit_shift", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"token i is predicted at position i-1 {FROM_MODEL}")
+    group.add_argument("--early-stop", dest="early_stop", action=argparse.BooleanOptionalAction, default=None,
+                       help="end a prompt once the block holding its first stop token is complete (default: on)")
+    group.add_argument("--fused-store", dest="fused_store", action=argparse.BooleanOptionalAction, default=None,
+                       help="store a finished block's K/V in the next block's first forward (default: on)")
 
 
-def config_from_args(args: argparse.Namespace, **defaults) -> BlockDiffusionConfig:
-    names = {f.name for f in dataclasses.fields(BlockDiffusionConfig)}
-    values = {**defaults, **{k: v for k, v in vars(args).items() if k in names and v is not None}}
-    return BlockDiffusionConfig(**values)
+def config_from_args(args: argparse.Namespace) -> BlockDiffusionConfig:
+    return BlockDiffusionConfig(**{k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None})
 
 
 def read_prompts(args: argparse.Namespace) -> list:
@@ -59,12 +90,39 @@ def read_prompts(args: argparse.Namespace) -> list:
     return prompts
 
 
+def model_path(name: str) -> str:
+    """The checkpoint directory `--model` names (`demo`: the bundled demo model; `./demo` is a directory)."""
+    return str(demo_model_path()) if name == DEMO_MODEL else name
+
+
+def fitting_max_new_tokens(model, cfg: BlockDiffusionConfig, longest_prompt: int) -> int:
+    """max_new_tokens when the flag is not given: the config's default, lowered to the whole blocks that the model's
+    max_position_embeddings hold after the longest prompt (a note on stderr says so)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    default = DEFAULTS["max_new_tokens"]
+    block = cfg.block_size or model_profile(model).block_size or 1  # no block size: one block over everything
+    if limit is None or longest_prompt + default <= limit // block * block:
+        return default
+    room = (limit // block * block - longest_prompt) // block * block
+    if room <= 0:
+        raise ValueError(f"the longest prompt has {longest_prompt} tokens: the model's max_position_embeddings="
+                         f"{limit} leave no room for a block of {block} new tokens; shorten the prompt")
+    if process_state().is_main_process:
+        print(f"hf-blockdiff: note: --max-new-tokens not given: generating {room} tokens, the whole blocks of "
+              f"{block} that the model's {limit} positions hold after the longest prompt ({longest_prompt} tokens)",
+              file=sys.stderr)
+    return room
+
+
 def run_generate(args: argparse.Namespace) -> None:
     cfg = config_from_args(args)
     prompts = read_prompts(args)
-    model, tokenizer = load_pretrained(args.model, args.device, args.dtype, args.tensor_parallel)
-    results = generate_distributed(model, prompts, cfg, tokenizer, batch_size=args.batch_size, chat=args.chat,
-                                   progress=True)
+    model, tokenizer = load_pretrained(model_path(args.model), args.device, args.dtype, args.tensor_parallel)
+    encoded = [encode(p, tokenizer, args.chat) for p in prompts]
+    if args.max_new_tokens is None:
+        longest = max((len(ids) for ids in encoded), default=0)
+        cfg = cfg.replace(max_new_tokens=fitting_max_new_tokens(model, cfg, longest))
+    results = generate_distributed(model, encoded, cfg, tokenizer, batch_size=args.batch_size, progress=True)
     if not process_state().is_main_process:
         return
     lines = [
@@ -87,23 +145,32 @@ def run_lm_eval(args: argparse.Namespace) -> None:
     run_cli(args.passed_on)
 
 
+def add_generate_parser(commands) -> None:
+    gen = commands.add_parser("generate", help="generate completions for prompts")
+    gen.add_argument("--model", required=True,
+                     help=f"checkpoint directory, or {DEMO_MODEL!r} for the bundled demo model (required)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt (no default: give --prompt or --input)")
+    source.add_argument("--input", help="JSONL file: one {'prompt': ...} or {'messages': [...]} per line (no "
+                        "default: give --prompt or --input)")
+    gen.add_argument("--output", help="write JSONL results to this file (default: print them)")
+    gen.add_argument("--chat", action="store_true",
+                     help="format prompts with the tokenizer's chat template (default: off)")
+    gen.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default: %(default)s)")
+    gen.add_argument("--device", help="default: this process's device (cuda:LOCAL_RANK under accelerate/torchrun, "
+                     "else the GPU if there is one, else cpu)")
+    gen.add_argument("--dtype", default="float32", choices=DTYPES,
+                     help=f"dtype of the weights: {', '.join(DTYPES)} (default: %(default)s)")
+    gen.add_argument("--tensor-parallel", action="store_true",
+                     help="shard the model over the processes of a torchrun launch (tp_plan='auto') (default: off)")
+    add_config_flags(gen)
+    gen.set_defaults(run=run_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-blockdiff", description="Block-diffusion decoding inside transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate completions for prompts")
-    gen.add_argument("--model", required=True, help="checkpoint directory")
-    source = gen.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", help="one prompt")
-    source.add_argument("--input", help="JSONL file: one {'prompt': ...} or {'messages': [...]} per line")
-    gen.add_argument("--output", help="write JSONL results here instead of printing")
-    gen.add_argument("--chat", action="store_true", help="format prompts with the tokenizer's chat template")
-    gen.add_argument("--batch-size", type=int, default=16)
-    gen.add_argument("--device", help="default: this process's device (cuda:LOCAL_RANK under accelerate/torchrun)")
-    gen.add_argument("--dtype", default="float32", choices=DTYPES)
-    gen.add_argument("--tensor-parallel", action="store_true",
-                     help="shard the model over the processes of a torchrun launch (tp_plan='auto')")
-    add_config_flags(gen)
-    gen.set_defaults(run=run_generate)
+    add_generate_parser(commands)
     bench.add_parser(commands)
     demo.add_parsers(commands)
     evaluate = commands.add_parser("lm-eval", add_help=False, help="lm-evaluation-harness with the hf-blockdiff "

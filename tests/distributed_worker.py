@@ -5,8 +5,8 @@ import json
 import sys
 
 from hf_blockdiff import BlockDiffusionConfig
-from hf_blockdiff.checkpoint import load_pretrained
-from hf_blockdiff.distributed import generate_distributed, process_state
+from hf_blockdiff.integrations.checkpoint import load_pretrained
+from hf_blockdiff.integrations.distributed import generate_distributed, process_state
 
 CFG = BlockDiffusionConfig(max_new_tokens=8, threshold=0.6, eos_token_id=[])
 PROMPTS = ["hello", "x = 1", "abc def", "Once upon a time", "0123456789"]

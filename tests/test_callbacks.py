@@ -5,12 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import Trainer, TrainingArguments, default_data_collator
 
 import hf_blockdiff
 from hf_blockdiff import BlockDiffusionConfig
-from hf_blockdiff.completions import complete
+from hf_blockdiff.integrations.completions import complete
 
 from helpers import MASK, char_tokenizer, tiny_model
 
@@ -60,6 +61,24 @@ def test_evaluate_logs_the_metrics_and_leaves_the_model_alone(tmp_path):
         assert (p.grad is None) == (grad is None) and (grad is None or torch.equal(p.grad, grad))
 
 
+def test_tokens_per_forward_is_per_prompt_as_in_the_output(tmp_path):
+    """TPF is tokens committed per decoding step of a prompt (`BlockDiffusionOutput.tokens_per_forward`): the same
+    whether the prompts decode one by one or in a batch, never batch tokens over batched forwards."""
+    model, tokenizer = tiny_model("qwen3"), char_tokenizer()
+    alone = [model.generate_multi_block(tokenizer(p, return_tensors="pt").input_ids, CFG, return_dict=True)
+             for p in PROMPTS]
+    steps = [int(out.steps.sum()) for out in alone]
+    expected = sum(out.tokens_per_forward * n for out, n in zip(alone, steps)) / sum(steps)
+    assert len(set(steps)) > 1 and expected > 1  # prompts of different lengths, more than one token per step
+    for batch_size in (1, 3, 4):
+        completions = complete(model, PROMPTS, CFG, tokenizer, batch_size=batch_size)
+        assert completions.tokens_per_forward == pytest.approx(expected)
+        assert [c.steps for c in completions] == steps
+    trainer = make_trainer(model, tmp_path)
+    trainer.add_callback(hf_blockdiff.BlockDiffusionEvalCallback(PROMPTS, config=CFG, trainer=trainer))
+    assert trainer.evaluate()["eval_blockdiff_tokens_per_forward"] == pytest.approx(expected)
+
+
 def test_a_raising_scorer_is_reported_and_training_goes_on(tmp_path, caplog):
     def scorer(completions, references):
         raise ZeroDivisionError("bad metric")
@@ -67,7 +86,7 @@ def test_a_raising_scorer_is_reported_and_training_goes_on(tmp_path, caplog):
     model = tiny_model("qwen3")
     trainer = make_trainer(model, tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1, logging_steps=1)
     trainer.add_callback(hf_blockdiff.BlockDiffusionEvalCallback(PROMPTS[:2], config=CFG, scorer=scorer))
-    with caplog.at_level(logging.WARNING, logger="hf_blockdiff.callbacks"):
+    with caplog.at_level(logging.WARNING, logger="hf_blockdiff.integrations.callbacks"):
         trainer.train()
     assert trainer.state.global_step == 2
     assert "scorer raised ZeroDivisionError: bad metric" in caplog.text

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from hf_blockdiff import BlockDiffusionConfig
-from hf_blockdiff.checkpoint import load_pretrained
+from hf_blockdiff.integrations.checkpoint import load_pretrained
 from hf_blockdiff.cli import main
-from hf_blockdiff.completions import complete
+from hf_blockdiff.integrations.completions import complete
 
 FLAGS = ["--max-new-tokens", "8", "--threshold", "0.6", "--eos-token-id"]
 CFG = BlockDiffusionConfig(max_new_tokens=8, threshold=0.6, eos_token_id=[])

@@ -9,8 +9,8 @@ import torch
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.assets import demo_model_path
 from hf_blockdiff.cli import main
-from hf_blockdiff.demo import DEMO_SEED, NEW_TOKENS, STRATEGIES, load_demo, solve
-from hf_blockdiff.tasks import make_problems
+from hf_blockdiff.tools.demo import DEMO_SEED, NEW_TOKENS, STRATEGIES, load_demo, solve
+from hf_blockdiff.tools.tasks import make_problems
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_demo_json_can_be_recomputed(demo, capsys):
     assert main(["demo", "--num-problems", "12", "--seed", "7", "--strategy", "sequential",
                  "low_confidence_dynamic", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    from hf_blockdiff.tasks import is_correct
+    from hf_blockdiff.tools.tasks import is_correct
 
     for row in report["results"]:
         label = row["strategy"]
@@ -73,8 +73,8 @@ def test_demo_errors(tmp_path, capsys):
 
 def test_fresh_training_reaches_the_shipped_accuracy_trend():
     """A short run of the training script from scratch: the loss falls well below its start (the full run is
-    documented in hf_blockdiff/train_tiny.py)."""
-    from hf_blockdiff.train_tiny import TrainConfig, fit
+    documented in hf_blockdiff/tools/train_tiny.py)."""
+    from hf_blockdiff.tools.train_tiny import TrainConfig, fit
 
     torch.set_num_threads(2)
     _, _, losses = fit(TrainConfig(batch_size=32), seed=0, steps=40, log=None)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_blockdiff.checkpoint import load_pretrained
-from hf_blockdiff.completions import complete
+from hf_blockdiff.integrations.checkpoint import load_pretrained
+from hf_blockdiff.integrations.completions import complete
 
 from distributed_worker import CFG, PROMPTS
 from helpers import save_checkpoint

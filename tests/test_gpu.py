@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
-from hf_blockdiff.bench import build_model
+from hf_blockdiff.tools.bench import build_model
 from hf_blockdiff.kernels import flash
 from reference_loops import staircase
 

@@ -1,8 +1,8 @@
 import torch
 from transformers import AutoTokenizer
 
-from hf_blockdiff import tasks
-from hf_blockdiff.train_tiny import (
+from hf_blockdiff.tools import tasks
+from hf_blockdiff.tools.train_tiny import (
     TinyModelConfig,
     TrainConfig,
     add_noise,

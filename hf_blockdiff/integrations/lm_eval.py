@@ -24,9 +24,9 @@ import sys
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from ..checkpoint import load_pretrained
-from ..completions import complete
-from ..config import BlockDiffusionConfig
+from .. import BlockDiffusionConfig
+from .checkpoint import load_pretrained
+from .completions import complete
 
 CONFIG_FIELDS = sorted(f.name for f in dataclasses.fields(BlockDiffusionConfig))
 UNSUPPORTED = ("hf-blockdiff: {} is not supported for diffusion decoding (it scores given continuations); "

@@ -112,7 +112,7 @@ def test_large_shapes_gpu(batch, page_size, block, assert_close):
 
 def test_microbench_smoke():
     """`hf-blockdiff bench --kernels` on tiny shapes (interpreter): every row is timed, nothing absent is invented."""
-    from hf_blockdiff.kernels import microbench
+    from hf_blockdiff.tools import microbench
 
     rows = microbench.run(device="cpu", small=True)
     assert {row["kernel"] for row in rows} == {"paged_attention", "scoring T=0.0", "scoring T=1.0"}

@@ -1,4 +1,4 @@
-"""Train the tiny SDAR-style block-diffusion demo model on the synthetic task of `hf_blockdiff.tasks`.
+"""Train the tiny SDAR-style block-diffusion demo model on the synthetic task of `hf_blockdiff.tools.tasks`.
 
 Objective (BD3-LM / SDAR): a row is `prompt + answer + <eos> + <pad>...` of `seq_len` tokens, cut into blocks of
 `block_size` at absolute positions. Each block draws a mask ratio t ~ U(0, 1] and masks each of its maskable
@@ -22,18 +22,20 @@ same weights.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedTokenizerFast
 
-from .config import BlockDiffusionConfig
-from .model_patches.sdar import SDARConfig, SDARForCausalLM
+from .. import BlockDiffusionConfig
+from ..model_patches.sdar import SDARConfig, SDARForCausalLM
 from .tasks import build_tokenizer, make_problems, problem_stream, solve
 
 EVAL_SEED = 1234
@@ -105,8 +107,14 @@ def build_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -> SDA
 
 
 def save_checkpoint(model: SDARForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: str) -> None:
+    """Weights, tokenizer and a config.json without the legacy `torch_dtype` key. The SDAR config writes it beside
+    `dtype` for the released remote code, which this checkpoint never meets; transformers warns when it loads it."""
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    path = Path(out_dir) / "config.json"
+    config = json.loads(path.read_text())
+    del config["torch_dtype"]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def block_causal_mask(length: int, block_size: int) -> torch.Tensor:

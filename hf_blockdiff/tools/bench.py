@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .config import BlockDiffusionConfig
-from .profiles import model_profile
-from .patching import free_cache
+from .. import BlockDiffusionConfig, free_cache
+from ..config import ATTENTION_BACKENDS
+from ..profiles import model_profile
+from ..strategies import strategy_names
 
 SHAPES = {  # architecture sizes of released checkpoints (random weights; nothing is downloaded)
     "tiny": dict(model_type="sdar", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -53,8 +54,6 @@ class Measurement:
 
 def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    import hf_blockdiff  # noqa: F401  (registers the families)
 
     if model_path:
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
@@ -204,7 +203,7 @@ def print_report(report: dict) -> None:
 
 def run_bench(args) -> None:
     if args.kernels:
-        from .kernels import microbench
+        from . import microbench
 
         microbench.print_table(microbench.run(device=args.device, flex=args.flex))
         return
@@ -216,25 +215,39 @@ def run_bench(args) -> None:
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("bench", help="hf_blockdiff vs the plain-HF reference loop (tok/s, NFE, memory)")
-    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    parser.add_argument("--model", help="a checkpoint directory instead of a random-weight shape")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=4)
-    parser.add_argument("--steps-per-block", type=int, default=None)
-    parser.add_argument("--max-active-blocks", type=int, default=1)
-    parser.add_argument("--block-add-threshold", type=float, default=1.0)
-    parser.add_argument("--decoded-token-threshold", type=float, default=1.0)
-    parser.add_argument("--strategy", default="low_confidence_static")
-    parser.add_argument("--threshold", type=float, default=None)
-    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="architecture sizes with random "
+                        f"weights: {', '.join(sorted(SHAPES))} (default: %(default)s)")
+    parser.add_argument("--model", help="a checkpoint directory instead of a random-weight shape (default: --shape)")
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per prompt (default: %(default)s)")
+    parser.add_argument("--block-size", type=int, default=4, help="block size (default: %(default)s)")
+    parser.add_argument("--steps-per-block", type=int, default=None,
+                        help="decoding steps per block (default: the block size, one token per step)")
+    parser.add_argument("--max-active-blocks", type=int, default=1,
+                        help="blocks decoded at once; above 1 is multi-block decoding (default: %(default)s)")
+    parser.add_argument("--block-add-threshold", type=float, default=1.0,
+                        help="progress of the last block at which the next one is added (default: %(default)s)")
+    parser.add_argument("--decoded-token-threshold", type=float, default=1.0, help="progress of a block's "
+                        "predecessor at which the block must make progress (default: %(default)s)")
+    parser.add_argument("--strategy", default="low_confidence_static",
+                        help=f"strategy of hf_blockdiff: {', '.join(strategy_names())} (default: %(default)s; the "
+                        "reference loop always commits the most confident positions on its schedule)")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="τ of the threshold strategies (default: the strategy's own)")
+    parser.add_argument("--attention-backend", default="auto", help=f"attention kernels: "
+                        f"{', '.join(ATTENTION_BACKENDS)} (default: %(default)s: Triton on CUDA, sdpa on CPU)")
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                        help="torch.compile the decoder layers (auto: with CUDA graphs)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--skip-reference", action="store_true", help="time hf_blockdiff only")
-    parser.add_argument("--kernels", action="store_true", help="run the kernel microbenchmarks instead")
-    parser.add_argument("--flex", action="store_true", help="with --kernels: add compiled FlexAttention")
-    parser.add_argument("--json", action="store_true")
+                        help="torch.compile the decoder layers: auto, on, off (default: %(default)s, on with CUDA "
+                        "graphs)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="default: cuda if there is a GPU, else cpu (here: %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="dtype of the weights: bfloat16, float16, float32 (default: %(default)s)")
+    parser.add_argument("--skip-reference", action="store_true", help="time hf_blockdiff only (default: off)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="run the kernel microbenchmarks instead (default: off)")
+    parser.add_argument("--flex", action="store_true",
+                        help="with --kernels: add compiled FlexAttention (default: off)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (default: off, a table)")
     parser.set_defaults(run=run_bench)

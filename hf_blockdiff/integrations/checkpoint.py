@@ -17,8 +17,6 @@ def load_pretrained(path: str, device: str | None = None, dtype: str = "float32"
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 
-    import hf_blockdiff  # noqa: F401  (registers the checkpoint families)
-
     from .distributed import process_state
 
     if not Path(path).is_dir():

@@ -3,7 +3,7 @@ and fused scoring vs torch. triton_us and torch_us time plain calls (host overhe
 Triton call replayed in a CUDA graph; bandwidth_frac = bound_us / graph_us. flex_us (with `flex=True`) times compiled
 FlexAttention with a BlockMask on the same problem with K/V already dense per row: a lower bound for a flex backend,
 which would also have to page. flash_us: the installed FlashAttention's paged call (FA2/FA3/FA4), in a CUDA graph.
-`python -m hf_blockdiff.kernels.microbench` prints the table on a CUDA device; `run(device="cpu", small=True)`
+`python -m hf_blockdiff.tools.microbench` prints the table on a CUDA device; `run(device="cpu", small=True)`
 is a smoke test under TRITON_INTERPRET=1."""
 
 import math
@@ -12,9 +12,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hf_blockdiff.kernels import flash
-from hf_blockdiff.kernels.paged_attention import paged_attention
-from hf_blockdiff.kernels.scoring import score_reference, score_triton
+from ..kernels import flash
+from ..kernels.paged_attention import paged_attention
+from ..kernels.scoring import score_reference, score_triton
 
 HQ, HKV, HEAD_DIM, VOCAB, MASK_ID = 32, 8, 128, 151936, 151669
 

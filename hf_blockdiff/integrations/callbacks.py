@@ -1,4 +1,5 @@
-"""`BlockDiffusionEvalCallback`: block-diffusion generation on eval prompts at every `Trainer.evaluate` (DESIGN §9)."""
+"""`BlockDiffusionEvalCallback`: block-diffusion generation on eval prompts at every `Trainer.evaluate`
+(docs/design.md, "Around the loop")."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Callable
 
 from transformers import TrainerCallback
 
-from .config import BlockDiffusionConfig
+from .. import BlockDiffusionConfig
 from .distributed import generate_distributed
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,8 @@ class BlockDiffusionEvalCallback(TrainerCallback):
     scorer(completions, references) -> float | dict[str, float]: completions are texts when there is a tokenizer,
     else token-id lists; a float is logged as `eval_blockdiff_score`, a dict key by key. Default: exact match
     against `references` (`eval_blockdiff_accuracy`). A scorer that raises is reported as a warning; training goes on.
-    Also logged: num_forwards, tokens_per_forward and tok_s of the generation.
+    Also logged: num_forwards (batched forwards of the generation), tokens_per_forward (tokens committed per decoding
+    step of a prompt, as `BlockDiffusionOutput.tokens_per_forward`, whatever the batch size) and tok_s.
     every_n_evals: generate at the first evaluation and every n-th after it.
 
     The metrics join the dict `Trainer.evaluate` returns (so `metric_for_best_model="eval_blockdiff_accuracy"` works)

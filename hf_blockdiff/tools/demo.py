@@ -1,7 +1,7 @@
 """`hf-blockdiff demo`: the bundled tiny SDAR model solves held-out problems with several decoding strategies.
 
 The model (`hf_blockdiff.assets.demo_model_path()`, trained by `hf-blockdiff train-tiny`) answers additions, digit
-sorting and word reversal (`hf_blockdiff.tasks`). Every row of the table decodes the same problems with
+sorting and word reversal (`hf_blockdiff.tools.tasks`). Every row of the table decodes the same problems with
 `generate_multi_block`; `--json` prints every prompt, expected answer and output so anyone can recompute the accuracy
 or re-generate a row.
 """
@@ -12,9 +12,11 @@ import json
 
 import torch
 
-from .config import BlockDiffusionConfig
-from .strategies import strategy_names
+from .. import BlockDiffusionConfig
+from ..assets import demo_model_path
+from ..strategies import strategy_names
 from .tasks import make_problems, solve
+from .train_tiny import DEFAULT_STEPS, train
 
 DEMO_SEED = 1234
 NEW_TOKENS = 8
@@ -32,10 +34,6 @@ STRATEGIES = {
 def load_demo(path: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import hf_blockdiff  # noqa: F401  (registers the sdar model type)
-
-    from .assets import demo_model_path
-
     path = path or str(demo_model_path())
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
@@ -50,6 +48,8 @@ def run_demo(args) -> None:
     if unknown:
         raise ValueError(f"unknown strategy {unknown[0]!r}: choose from {', '.join(STRATEGIES)} or "
                          f"{', '.join(strategy_names())}")
+    if args.num_problems < 1:
+        raise ValueError(f"--num-problems {args.num_problems}: pass a positive number of problems to solve")
     model, tokenizer = load_demo(args.model)
     problems = make_problems(args.num_problems, args.seed, "held_out")
     chosen = {name: STRATEGIES.get(name, dict(strategy=name)) for name in (args.strategy or STRATEGIES)}
@@ -77,25 +77,26 @@ def run_demo(args) -> None:
 def run_train_tiny(args) -> None:
     from dataclasses import asdict
 
-    from .train_tiny import DEFAULT_STEPS, train
-
     torch.set_num_threads(args.threads)
-    metrics = train(args.out, seed=args.seed, steps=args.steps or DEFAULT_STEPS, device=args.device)
+    metrics = train(args.out, seed=args.seed, steps=args.steps, device=args.device)
     print(json.dumps({k: v for k, v in asdict(metrics).items() if k != "losses"}, indent=2))
 
 
 def add_parsers(commands) -> None:
     demo = commands.add_parser("demo", help="the bundled tiny model solves held-out problems with several strategies")
-    demo.add_argument("--seed", type=int, default=DEMO_SEED, help="which held-out problems")
-    demo.add_argument("--num-problems", type=int, default=200)
-    demo.add_argument("--strategy", nargs="*", help="labels of the demo table or any strategy name")
+    demo.add_argument("--seed", type=int, default=DEMO_SEED, help="which held-out problems (default: %(default)s)")
+    demo.add_argument("--num-problems", type=int, default=200, help="how many problems (default: %(default)s)")
+    demo.add_argument("--strategy", nargs="*", help=f"labels of the demo table ({', '.join(STRATEGIES)}) or any "
+                      f"strategy name ({', '.join(strategy_names())}) (default: every label of the table)")
     demo.add_argument("--model", help="another checkpoint of the task (default: the bundled one)")
-    demo.add_argument("--json", action="store_true")
+    demo.add_argument("--json", action="store_true",
+                      help="print every prompt, expected answer and output as JSON (default: off, a table)")
     demo.set_defaults(run=run_demo)
     train = commands.add_parser("train-tiny", help="train the demo model from scratch (deterministic per seed)")
-    train.add_argument("--out", required=True)
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--steps", type=int, default=None)
-    train.add_argument("--threads", type=int, default=2, help="torch threads; results are exact per thread count")
-    train.add_argument("--device", default="cpu")
+    train.add_argument("--out", required=True, help="directory the checkpoint is written to (required)")
+    train.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
+    train.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps (default: %(default)s)")
+    train.add_argument("--threads", type=int, default=2,
+                       help="torch threads; results are exact per thread count (default: %(default)s)")
+    train.add_argument("--device", default="cpu", help="device to train on (default: %(default)s)")
     train.set_defaults(run=run_train_tiny)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerFast
 
-from .config import BlockDiffusionConfig
+from .. import BlockDiffusionConfig
 
 KINDS = ("add", "sort", "rev")
 SPLITS = ("train", "held_out")

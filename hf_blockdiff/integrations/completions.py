@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import BlockDiffusionConfig
+from .. import BlockDiffusionConfig
 
 
 @dataclass
@@ -20,21 +20,27 @@ class Completion:
     token_ids: list[int]  # generated ids, up to and including the first stop token
     text: str | None  # token_ids decoded without special tokens (None without a tokenizer)
     num_forwards: int  # forwards of the batch that generated it
+    steps: int  # decoding steps of this prompt (`BlockDiffusionOutput.steps`)
 
 
 @dataclass
 class Completions:
-    """Completions in prompt order, with what their generation cost."""
+    """Completions in prompt order, with what their generation cost.
+
+    `committed` counts the tokens the decoding steps committed as `BlockDiffusionOutput.tokens_per_forward` counts
+    them (the rest of a stop token's block included), so `tokens_per_forward` has the output's meaning over all the
+    batches: tokens committed per decoding step of a prompt, however the prompts were batched."""
 
     items: list[Completion] = field(default_factory=list)
     num_forwards: int = 0
     seconds: float = 0.0
+    committed: int = 0
 
     @classmethod
     def joined(cls, parts: list["Completions"]) -> "Completions":
         """Parts generated side by side (one per process), in order."""
         return cls([c for part in parts for c in part.items], sum(p.num_forwards for p in parts),
-                   max((p.seconds for p in parts), default=0.0))
+                   max((p.seconds for p in parts), default=0.0), sum(p.committed for p in parts))
 
     @property
     def num_tokens(self) -> int:
@@ -42,7 +48,7 @@ class Completions:
 
     @property
     def tokens_per_forward(self) -> float:
-        return self.num_tokens / max(self.num_forwards, 1)
+        return self.committed / max(sum(c.steps for c in self.items), 1)
 
     @property
     def tokens_per_second(self) -> float:
@@ -101,9 +107,11 @@ def complete(model, prompts: list, config: BlockDiffusionConfig | None = None, t
         out = model.generate_multi_block(ids, config, attention_mask=mask, return_dict=True)
         generated = out.sequences[:, ids.shape[1] :].tolist()
         kept = (out.commit_step >= 0).sum(-1).tolist()  # a prefix: positions after the first stop token are dropped
-        for tokens, length in zip(generated, kept):
+        steps = out.steps.tolist()
+        for tokens, length, row_steps in zip(generated, kept, steps):
             text = tokenizer.decode(tokens[:length], skip_special_tokens=True) if tokenizer is not None else None
-            result.items.append(Completion(tokens[:length], text, out.num_forwards))
+            result.items.append(Completion(tokens[:length], text, out.num_forwards, row_steps))
         result.num_forwards += out.num_forwards
+        result.committed += round(out.tokens_per_forward * max(sum(steps), 1))  # the output's TPF is committed/steps
         result.seconds += time.perf_counter() - began
     return result

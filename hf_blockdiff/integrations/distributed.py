@@ -1,17 +1,17 @@
 """Data parallelism: prompts split over the processes of an `accelerate launch` (or `torchrun`), completions
-gathered back in input order on every process (DESIGN §9).
+gathered back in input order on every process (docs/design.md, "Around the loop").
 
-A tensor-parallel model (see `tensor_parallel`) already spreads one decode over the processes: then every process
-decodes every prompt and nothing is split.
+A tensor-parallel model (see `hf_blockdiff.tensor_parallel`) already spreads one decode over the processes: then
+every process decodes every prompt and nothing is split.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import BlockDiffusionConfig
+from ..tensor_parallel import tensor_parallel_size
 from .completions import Completions, complete
-from .config import BlockDiffusionConfig
-from .tensor_parallel import tensor_parallel_size
 
 
 def process_state():
