@@ -52,8 +52,29 @@ def patch_model(model):
     """Give `model` (any transformers decoder-only causal LM) `generate_multi_block`; returns the model."""
     if not hasattr(model, "config") or not hasattr(model, "get_output_embeddings"):
         raise TypeError("patch_model needs a transformers PreTrainedModel with an output embedding (LM head).")
+    if hasattr(type(model), "generate_multi_block"):  # a registered family or an already patched class
+        return model
+    if not _is_decoder_only_causal_lm(model):
+        kind = "an encoder-decoder model" if getattr(model.config, "is_encoder_decoder", False) else "no causal LM class"
+        raise TypeError(
+            f"patch_model needs a decoder-only causal LM (a class AutoModelForCausalLM loads, such as Qwen3ForCausalLM "
+            f"or LlamaForCausalLM); {type(model).__name__} is {kind}. Load a decoder-only checkpoint with "
+            "AutoModelForCausalLM."
+        )
     patch_class(type(model))
     return model
+
+
+def _is_decoder_only_causal_lm(model) -> bool:
+    """Not an encoder-decoder, and a causal-LM class by name (remote-code classes included) or by transformers'
+    own mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(model.config, "is_encoder_decoder", False):
+        return False
+    name = type(model).__name__
+    known = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(model.config, "model_type", None), ())
+    return name.endswith(("ForCausalLM", "LMHeadModel")) or name in ((known,) if isinstance(known, str) else known)
 
 
 def patch_known_classes() -> None:

@@ -60,7 +60,6 @@ def tiny(kind: str):
                                             num_attention_heads=4, num_key_value_heads=2, head_dim=8)).eval()
 
 
-@pytest.mark.xfail(strict=True, reason="patch_model check pending")
 @pytest.mark.parametrize("kind", ["t5", "bert"])
 def test_patch_model_refuses_what_is_no_decoder_only_causal_lm(unpatched, kind):
     with pytest.raises((TypeError, ValueError), match="decoder-only causal LM"):
@@ -117,8 +116,6 @@ def test_train_tiny_writes_a_clean_config(tmp_path):
     assert config["dtype"] == "float32" and "torch_dtype" not in config
 
 
-@pytest.mark.xfail(strict=True, reason="SDAR's config class (model_patches/released.py) writes `torch_dtype` into "
-                   "to_dict, which transformers reads back as the deprecated attribute on every load: fix pending")
 def test_loading_the_demo_model_warns_nothing_about_torch_dtype():
     code = ("from transformers import AutoModelForCausalLM; import hf_blockdiff; "
             f"AutoModelForCausalLM.from_pretrained({str(demo_model_path())!r})")

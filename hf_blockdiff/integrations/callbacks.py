@@ -8,7 +8,7 @@ from typing import Callable
 
 from transformers import TrainerCallback
 
-from .. import BlockDiffusionConfig
+from ..config import BlockDiffusionConfig
 from .distributed import generate_distributed
 
 logger = logging.getLogger(__name__)

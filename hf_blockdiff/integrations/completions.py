@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import BlockDiffusionConfig
+from ..config import BlockDiffusionConfig
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import BlockDiffusionConfig
+from ..config import BlockDiffusionConfig
 from ..tensor_parallel import tensor_parallel_size
 from .completions import Completions, complete
 

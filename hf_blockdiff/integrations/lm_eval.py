@@ -24,7 +24,7 @@ import sys
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from .. import BlockDiffusionConfig
+from ..config import BlockDiffusionConfig
 from .checkpoint import load_pretrained
 from .completions import complete
 

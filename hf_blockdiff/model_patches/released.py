@@ -20,8 +20,13 @@ class ReleasedConfig:
       transformers default (sdpa) applies unless `from_pretrained(..., attn_implementation=...)` asks otherwise.
     - transformers 5 folds `rope_theta`/`rope_scaling` into `rope_parameters` and `torch_dtype` into `dtype`; the
       released remote code reads only the legacy keys (a missing `rope_theta` silently becomes 10000 there), so
-      `to_dict` writes them next to the new ones.
+      `to_dict` writes them next to the new ones. transformers reads every key of `to_dict` back as an attribute
+      while loading; `torch_dtype` answers as `dtype` here, so that read does not hit the deprecated property.
     """
+
+    @property
+    def torch_dtype(self):
+        return self.dtype
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):

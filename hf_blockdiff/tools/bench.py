@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .. import BlockDiffusionConfig, free_cache
-from ..config import ATTENTION_BACKENDS
+from ..config import ATTENTION_BACKENDS, BlockDiffusionConfig
+from ..patching import free_cache
 from ..profiles import model_profile
 from ..strategies import strategy_names
 

@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from .. import BlockDiffusionConfig
+from ..config import BlockDiffusionConfig
 from ..assets import demo_model_path
 from ..strategies import strategy_names
 from .tasks import make_problems, solve

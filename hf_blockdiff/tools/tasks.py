@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerFast
 
-from .. import BlockDiffusionConfig
+from ..config import BlockDiffusionConfig
 
 KINDS = ("add", "sort", "rev")
 SPLITS = ("train", "held_out")

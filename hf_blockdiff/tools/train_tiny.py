@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedTokenizerFast
 
-from .. import BlockDiffusionConfig
+from ..config import BlockDiffusionConfig
 from ..model_patches.sdar import SDARConfig, SDARForCausalLM
 from .tasks import build_tokenizer, make_problems, problem_stream, solve
 
