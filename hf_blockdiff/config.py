@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from .presets import preset_fields, preset_pins
 from .profiles import ALIGNMENTS, ATTENTIONS, ModelProfile
 from .strategies import STRATEGIES, strategy_names
 
@@ -219,8 +221,6 @@ class BlockDiffusionConfig:
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "BlockDiffusionConfig":
         """A config reproducing a reference decoder (see `hf_blockdiff.presets`); `overrides` win."""
-        from .presets import preset_fields
-
         return cls(**preset_fields(name, overrides, cls))
 
     def to_dict(self) -> dict:
@@ -250,13 +250,7 @@ class BlockDiffusionConfig:
                 "This model has no block-diffusion profile: pass BlockDiffusionConfig(attention='block_causal' or "
                 "'bidirectional') (and alignment/logit_shift if they differ from the defaults)."
             )
-        if vocab_size is not None and cfg.mask_token_id >= vocab_size:
-            _fail("mask_token_id", cfg.mask_token_id, f"the model's vocabulary has {vocab_size} ids")
-        if cfg.preset is not None and profile.attention is not None and profile.attention != cfg.attention:
-            raise ValueError(
-                f"Preset {cfg.preset!r} decodes with {cfg.attention} attention but this model is "
-                f"{profile.attention}: choose a preset for {profile.attention} models."
-            )
+        cfg._check_against_profile(profile)
         if cfg.approx_cache != "none" and (cfg.attention != "bidirectional" or cfg.max_active_blocks != 1):
             _fail("approx_cache", cfg.approx_cache, "approximate caches need attention='bidirectional' and "
                   "max_active_blocks=1; block-causal models have an exact cache")
@@ -276,4 +270,34 @@ class BlockDiffusionConfig:
         if isinstance(cfg.eos_token_id, tuple):
             cfg.eos_token_id = list(cfg.eos_token_id)
         cfg._validate()
+        cfg._check_ids(vocab_size)
         return cfg
+
+    def _check_against_profile(self, profile: ModelProfile) -> None:
+        """A model fact (attention, alignment, logit shift) that contradicts the model's profile: an error when a
+        preset pinned it, a warning when the user set it (an explicit override stays allowed)."""
+        pinned = preset_pins(self.preset)
+        for name in ("attention", "alignment", "logit_shift"):
+            value, fact = getattr(self, name), getattr(profile, name)
+            if fact is None or value is None or value == fact:
+                continue
+            if name in pinned and pinned[name] == value:
+                raise ValueError(
+                    f"Preset {self.preset!r} decodes with {name}={value!r} but this model's profile has {name}={fact!r}: "
+                    f"choose a preset for such models, or override it: from_preset({self.preset!r}, {name}={fact!r})."
+                )
+            warnings.warn(f"BlockDiffusionConfig.{name}={value!r} overrides this model's {name}={fact!r}: decoding "
+                          "differs from how the model was trained.", stacklevel=4)
+
+    def _check_ids(self, vocab_size: int | None) -> None:
+        """The mask, stop and pad ids (set here or taken from the profile) exist and do not collide."""
+        if self.mask_token_id in self.stop_ids:
+            _fail("mask_token_id", self.mask_token_id, f"it is also a stop id (eos_token_id={self.eos_token_id}): "
+                  "every undecided position would read as a stop; pass the model's own mask id")
+        if vocab_size is None:
+            return
+        for name, ids in (("mask_token_id", [self.mask_token_id]), ("eos_token_id", list(self.stop_ids)),
+                          ("pad_token_id", [self.pad_token_id])):
+            if any(not 0 <= i < vocab_size for i in ids):
+                _fail(name, getattr(self, name), f"the model's vocabulary has {vocab_size} ids, [0, {vocab_size}) "
+                      "(a value not passed here comes from the model's profile): pass the checkpoint's own id")

@@ -66,6 +66,11 @@ PRESETS: dict[str, Preset] = {
 
 
 
+def preset_pins(name: str | None) -> dict:
+    """The fields preset `name` pins (none for None)."""
+    return {} if name is None else dict(PRESETS[name].fields)
+
+
 def preset_fields(name: str, overrides: dict, defaults: type) -> dict:
     """Keyword arguments of BlockDiffusionConfig for preset `name` with `overrides` applied; `defaults` (the config
     class) supplies the default of a field another one is derived from."""

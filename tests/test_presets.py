@@ -182,8 +182,8 @@ def test_preset_errors(qwen3):
     qwen3.config.diffusion_attention = "bidirectional"
     try:
         cfg = BlockDiffusionConfig.from_preset("sdar", mask_token_id=MASK, block_size=4)
-        with pytest.raises(ValueError, match="Preset 'sdar' decodes with block_causal attention but this model is "
-                                             "bidirectional"):
+        with pytest.raises(ValueError, match="Preset 'sdar' decodes with attention='block_causal' but this model's "
+                                             "profile has attention='bidirectional'"):
             qwen3.generate_multi_block(torch.randint(0, 50, (1, 6)), cfg)
     finally:
         del qwen3.config.diffusion_attention

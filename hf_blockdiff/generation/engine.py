@@ -105,20 +105,26 @@ class Engine:
         owner = [-1] * state.num_rows  # prompt index held by each slot
         queue = list(range(len(prompts)))
         self.scheduler.start_call()
-        progress = tqdm(total=len(prompts), desc="generate_multi_block", delay=3, leave=False)
-        self._admit(list(range(min(state.num_rows, len(prompts)))), queue, owner, prompts, seeds)
-        while any(request >= 0 for request in owner):
-            self.step()
-            if stream is not None:
-                stream.step(state)
-            finished = [slot for slot, done in enumerate(state.done.tolist()) if done and owner[slot] >= 0]
-            stops = state.first_stop(self.scheduler.stop_ids) if finished else None
-            for slot in finished:
-                self._harvest(slot, owner[slot], results, stops)
-                owner[slot] = -1
-            progress.update(len(finished))
-            self._admit(finished, queue, owner, prompts, seeds)
-        progress.close()
+        with _Progress(len(prompts), new) as progress:
+            self._admit(list(range(min(state.num_rows, len(prompts)))), queue, owner, prompts, seeds)
+            for _ in range(step_bound([len(p) for p in prompts], cfg)):
+                if all(request < 0 for request in owner):
+                    break
+                self.step()
+                if stream is not None:
+                    stream.step(state)
+                done, nonfinite, decided = self.scheduler.host_view()
+                _check_finite(nonfinite, owner)
+                finished = [slot for slot in range(state.num_rows) if done[slot] and owner[slot] >= 0]
+                stops = state.first_stop(self.scheduler.stop_ids) if finished else None
+                for slot in finished:
+                    self._harvest(slot, owner[slot], results, stops)
+                    owner[slot] = -1
+                progress.show(finished, decided, owner)
+                self._admit(finished, queue, owner, prompts, seeds)
+        if any(request >= 0 for request in owner):
+            raise RuntimeError("generate_multi_block did not finish within the steps its blocks can take: please "
+                               "report this with the config and the prompt lengths.")
         if stream is not None:
             stream.end()
         results.num_forwards = self.scheduler.num_forwards
@@ -150,6 +156,46 @@ class Engine:
         results.entropies[request] = state.entropy[slot, index].masked_fill(~kept, 0.0)
         results.steps[request] = state.draws[slot]
         results.committed[request] = (state.commit_step[slot, : state.width] >= 0).sum()
+
+
+def step_bound(prompt_lengths: list[int], cfg: BlockDiffusionConfig) -> int:
+    """More steps than the prompts can take one after another: a block takes at most max(B, S) forced steps (each
+    commits a token, or advances a schedule that asks for none), plus a store forward and a block-start forward.
+    Reaching it means a bug, never a slow decode: the call fails instead of hanging."""
+    _, _, num_blocks = geometry(torch.tensor(prompt_lengths), cfg)
+    per_block = max(cfg.block_size, cfg.steps_per_block) + 2
+    return int(num_blocks.sum()) * per_block + 2 * len(prompt_lengths) + 1
+
+
+class _Progress:
+    """A bar of tokens decided (so a long prompt shows it moves) with the prompts finished beside it."""
+
+    def __init__(self, prompts: int, new_tokens: int):
+        self.prompts, self.new_tokens, self.finished, self.harvested = prompts, new_tokens, 0, 0
+        self.bar = tqdm(total=prompts * new_tokens, unit="tok", desc="generate_multi_block", delay=3, leave=False)
+
+    def show(self, finished: list[int], decided: list[int], owner: list[int]) -> None:
+        self.finished += len(finished)
+        self.harvested += sum(min(decided[slot], self.new_tokens) for slot in finished)
+        working = sum(min(count, self.new_tokens) for slot, count in enumerate(decided) if owner[slot] >= 0)
+        self.bar.update(self.harvested + working - self.bar.n)
+        self.bar.set_postfix_str(f"{self.finished}/{self.prompts} prompts", refresh=False)
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
+def _check_finite(nonfinite: list[int], owner: list[int]) -> None:
+    bad = [(owner[slot], forward) for slot, forward in enumerate(nonfinite) if forward >= 0 and owner[slot] >= 0]
+    if bad:
+        prompt, forward = bad[0]
+        raise FloatingPointError(
+            f"The logits of prompt {prompt} (row {prompt} of input_ids) were inf or nan at forward {forward}: the model's "
+            "hidden states overflowed or hold NaN (fp16? load it in bfloat16 or float32); the call was stopped."
+        )
 
 
 def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], max_batch_size: int | None,

@@ -13,7 +13,8 @@ from ..config import BlockDiffusionConfig
 from ..profiles import model_profile
 from ..tensor_parallel import check_tensor_parallel
 from ..scheduler import DecodeState
-from .engine import engine_for, plan_shapes, request_seeds
+from .engine import engine_for, request_seeds
+from .inputs import check_lengths, prompts_of
 
 
 @dataclass
@@ -35,35 +36,6 @@ class BlockDiffusionOutput(ModelOutput):
     steps: torch.LongTensor | None = None
 
 
-def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_length].")
-    if attention_mask is None:
-        return list(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; input_ids has {tuple(input_ids.shape)}.")
-    mask = attention_mask.bool()
-    if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
-        raise ValueError(
-            "attention_mask is right-padded (or has holes): generate_multi_block needs left padding. "
-            "Set tokenizer.padding_side = 'left'."
-        )
-    lengths = mask.sum(-1).tolist()
-    return [row[len(row) - n :] for row, n in zip(input_ids, lengths)]
-
-
-def _check_lengths(model, prompts: list[torch.Tensor], cfg: BlockDiffusionConfig) -> None:
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("Every row needs at least one prompt token (a row of attention_mask is all zeros).")
-    limit = getattr(model.config, "max_position_embeddings", None)
-    longest, _ = plan_shapes([len(p) for p in prompts], cfg)
-    if limit is not None and longest > limit:
-        raise ValueError(
-            f"The longest prompt plus max_new_tokens={cfg.max_new_tokens} (rounded up to whole blocks: {longest} "
-            f"positions) exceeds the model's max_position_embeddings={limit}: lower max_new_tokens or shorten the prompt."
-        )
-
-
 @torch.no_grad()
 def generate_multi_block(
     self,
@@ -77,6 +49,10 @@ def generate_multi_block(
 ):
     """Block-diffusion decoding of `input_ids` (left-padded [B, P]); see `BlockDiffusionConfig`.
 
+    `attention_mask`: pass the tokenizer's for a padded batch. Without it, as transformers' `generate` does, leading
+    pad ids (`pad_token_id`) are taken as padding, unless the pad id is also a stop or mask id: then they would be
+    decoded as prompt, and a warning says so. Calls on one model from several threads run one after another.
+
     At most `max_batch_size` prompts decode at once; finished ones are replaced by waiting ones (prompt
     streaming). Returns a LongTensor [B, P + max_new_tokens], or a `BlockDiffusionOutput` with `return_dict=True`.
 
@@ -89,9 +65,9 @@ def generate_multi_block(
         raise TypeError("config must be a BlockDiffusionConfig (or None to use the model's profile).")
     vocab = getattr(self.config, "vocab_size", None)
     cfg = (config or BlockDiffusionConfig()).resolved(model_profile(self), vocab)
-    prompts = _prompts(input_ids, attention_mask)
+    prompts = prompts_of(input_ids, attention_mask, cfg, vocab)
     device = input_ids.device
-    _check_lengths(self, prompts, cfg)
+    check_lengths(self, prompts, cfg)
     if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
         raise ValueError(f"max_batch_size={max_batch_size!r}: pass a positive integer (or None for all prompts).")
     check_tensor_parallel(self)

@@ -6,6 +6,7 @@
               executor.commit(stored, ...)     ... advances the cache (and Fast-dLLM v2 decides a first token)
     request = scheduler.score_request(...)     the undecided positions of the active blocks
     scores  = executor.score(request, ...)     LM head, guidance, processors, proposal/confidence/entropy
+              scheduler.check_scores(...)      flags slots whose scores are inf/nan (the call then fails)
     scheduler.apply(scheduler.decide(...))     the strategy's Decision, written by the state's one writer
     scheduler.end_step()                       finished slots, and the next forward's plan
 
@@ -34,6 +35,7 @@ class DecodeStep:
             self._store(layout, scheduler.stored(layout.chunks), hidden)
             request = scheduler.score_request(status, logit_capacity)
             scores = executor.score(request, layout.chunks, hidden, hidden_uncond)
+            scheduler.check_scores(request, scores)
             scheduler.apply(scheduler.decide(request, status, scores))
         scheduler.end_step()
 

@@ -274,3 +274,20 @@ class Scheduler:
             buffer.copy_(torch.where(slots.view(-1, *[1] * (value.dim() - 1)), value, buffer))
         lengths = (self.span_end - self.span_start).clamp(min=0)
         self.chunk_total.copy_(((lengths + self.chunk - 1) // self.chunk).sum())
+
+    # -- what the host reads -----------------------------------------------------------------------------------------
+
+    def check_scores(self, request: ScoreRequest, scores: Scores) -> None:
+        """Flag the slots whose scores are inf or nan (overflowed or NaN hidden states): no strategy can be trusted
+        with them, and a threshold strategy would wait for them forever."""
+        bad = request.picked & ~torch.isfinite(scores.confidence.float())
+        count = torch.zeros_like(self.state.added).index_put_((request.rows,), bad.long(), accumulate=True)
+        self.state.mark_nonfinite(count > 0)
+
+    def host_view(self) -> tuple[list[bool], list[int], list[int]]:
+        """In one read: each slot's done flag, the forward of its first non-finite scores (-1: none) and how many of
+        its generated positions are decided."""
+        state = self.state
+        decided = ((state.commit_step >= 0) & state.generated()).sum(-1)
+        done, nonfinite, decided = torch.stack([state.done.long(), state.nonfinite, decided]).tolist()
+        return [bool(flag) for flag in done], nonfinite, decided

@@ -80,6 +80,7 @@ class DecodeState:
         self.full = zeros(rows, max_blocks, dtype=torch.bool)
         self.forced_steps = zeros(rows, max_blocks)
         self.done = zeros(rows, dtype=torch.bool, fill=True)
+        self.nonfinite = zeros(rows, fill=-1)  # the forward whose scores first came out inf/nan, per slot (-1: none)
         self.forward_index = zeros(1)  # forwards so far, on the device so a captured step can count itself
         self.block_index = torch.arange(max_blocks, device=device)
         self.offsets = torch.arange(max_blocks * cfg.block_size, device=device).view(max_blocks, cfg.block_size)
@@ -105,7 +106,7 @@ class DecodeState:
         self.seed[slots] = seeds.to(self.seed.device)
         for buffer, fill in ((self.previous, -1), (self.commit_step, -1), (self.logprob, 0), (self.entropy, 0),
                              (self.added, 0), (self.stored, 0), (self.draws, 0), (self.full, False),
-                             (self.forced_steps, 0), (self.done, False)):
+                             (self.forced_steps, 0), (self.done, False), (self.nonfinite, -1)):
             buffer[slots] = fill
 
     # -- geometry --------------------------------------------------------------------------------------------------
@@ -194,6 +195,7 @@ class DecodeState:
         """A new call: forwards count from zero (`commit_step` is within the call), every slot idle."""
         self.forward_index.zero_()
         self.done.fill_(True)
+        self.nonfinite.fill_(-1)
 
     def count_forward(self, ran: torch.Tensor | bool) -> None:
         self.forward_index += ran
@@ -204,6 +206,10 @@ class DecodeState:
 
     def finish(self, finished: torch.Tensor) -> None:
         self.done |= finished
+
+    def mark_nonfinite(self, rows: torch.Tensor) -> None:
+        """Slots `rows` ([R] bool) got non-finite scores in this forward (the first such forward is kept)."""
+        self.nonfinite.copy_(torch.where(rows & (self.nonfinite < 0), self.forward_index, self.nonfinite))
 
     def apply(self, decision: Decision) -> None:
         """Write one step's decision: the committed tokens and the strategy's bookkeeping."""
