@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(passed_on)}")
     try:
         args.run(args)
-    except (ValueError, TypeError, OSError) as error:
+    except (ValueError, TypeError, OSError, FloatingPointError) as error:
         print("hf-blockdiff: error:", " ".join(str(error).split()), file=sys.stderr)  # one line, however long
         return 2
     return 0

@@ -149,3 +149,10 @@ def test_choices_are_listed_in_the_help():
     assert all(name in helps["demo", "--strategy"] for name in strategy_names())
     for flag in ("--fallback", "--alignment", "--attention", "--dtype"):
         assert "," in helps["generate", flag]
+
+
+@pytest.mark.parametrize("flag,match", [("--eos-token-id", "eos_token_id=.*vocabulary"),
+                                        ("--pad-token-id", "pad_token_id=.*vocabulary")])
+def test_cli_ids_outside_the_vocabulary_are_one_line(capsys, flag, match):
+    assert main(["generate", "--model", "demo", "--prompt", "37+50=", flag, "99999"]) == 2
+    assert re.search(match, last_error(capsys))
