@@ -110,3 +110,15 @@ def test_progress_counts_tokens_and_prompts():
         assert progress.bar.n == 8
         progress.show([0], decided=[9, 6], owner=[-1, 1])  # slot 0 finished (its tail past 8 does not count)
         assert progress.bar.n == 8 + 6 and progress.finished == 1
+
+
+@pytest.mark.parametrize("pad", [1, 3, 6])
+def test_repetition_penalty_reads_only_the_row_itself(qwen3, pad):
+    """The penalty used to read the whole canvas row: the pad fill past a shorter prompt's end and the scratch
+    column, so a prompt's tokens depended on the rest of the batch."""
+    prompts = random_prompts((3, 11, 6), seed=9)
+    cfg = CFG.replace(strategy="low_confidence_dynamic", threshold=0.6, pad_token_id=pad, repetition_penalty=3.0)
+    ids, mask = left_pad(prompts)
+    batch = qwen3.generate_multi_block(ids, cfg, attention_mask=mask)[:, ids.shape[1]:]
+    for row, prompt in enumerate(prompts):
+        assert torch.equal(batch[row], qwen3.generate_multi_block(prompt[None], cfg)[0, len(prompt):])

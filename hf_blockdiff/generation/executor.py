@@ -64,24 +64,21 @@ class ModelExecutor:
         index, inside = chunks.locate(rows, positions - int(self.cfg.logit_shift))
         conditional = torch.where(inside[:, None], hidden[index], self.carry[rows])
         unconditional = None if hidden_uncond is None else hidden_uncond[index]
-        logits = self.logits(request.canvas[rows] if self.reads_canvas else None, conditional, unconditional)
+        logits = self.logits(None if request.canvas is None else request.canvas[rows], conditional, unconditional)
         scores = score_logits(logits, self.sampling, request.seeds, request.counters, request.temperature)
         if request.needs_salience:
             scores.salience = logit_salience(logits)
         return scores
 
-    def first_token_scores(self, rows: torch.Tensor, canvas: torch.Tensor):
-        """Fast-dLLM v2's greedy pick from the carried hidden states: (token, log-probability, entropy) per row."""
-        logits = self.logits(canvas[rows] if self.reads_canvas else None, self.carry, None).float()
+    def first_token_scores(self, rows: torch.Tensor, canvas: torch.Tensor | None):
+        """Fast-dLLM v2's greedy pick from the carried hidden states: (token, log-probability, entropy) per row;
+        `canvas`: the decided canvases when a repetition penalty or logits processor reads them."""
+        logits = self.logits(None if canvas is None else canvas[rows], self.carry, None).float()
         logits[:, self.cfg.mask_token_id] = float("-inf")
         logp = torch.log_softmax(logits, -1)
         token = logits.argmax(-1)
         entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
         return token, logp.gather(1, token[:, None]).squeeze(1), entropy
-
-    @property
-    def reads_canvas(self) -> bool:
-        return self.cfg.repetition_penalty != 1.0 or self.cfg.logits_processor is not None
 
     def logits(self, context: torch.Tensor | None, hidden: torch.Tensor,
                hidden_uncond: torch.Tensor | None) -> torch.Tensor:

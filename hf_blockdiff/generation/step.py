@@ -59,5 +59,5 @@ class DecodeStep:
         self.executor.commit(stored, layout.chunks, hidden)
         if self.scheduler.policy.first_token_on_store:
             rows, position, open_ = self.scheduler.first_token_request(stored)
-            token, logprob, entropy = self.executor.first_token_scores(rows, self.scheduler.state.canvas)
+            token, logprob, entropy = self.executor.first_token_scores(rows, self.scheduler.context())
             self.scheduler.apply(Decision(rows, position, token, logprob, entropy, open_))

@@ -61,7 +61,7 @@ class ScoreRequest:
     seeds: torch.Tensor  # [n]
     counters: torch.Tensor  # [n]
     temperature: torch.Tensor | None  # [n] per-position temperatures, or None for the config's one
-    canvas: torch.Tensor  # [R, width + 1] the canvases, read by logits processors
+    canvas: torch.Tensor | None  # [R, width + 1] decided canvases, for the repetition penalty and logits processors
     needs_salience: bool
 
 
@@ -171,8 +171,14 @@ class Scheduler:
             span = max(self.cfg.block_size - 1, 1)
             temperature = self.cfg.temperature * (1 + self.cfg.pos_temp_slope * offsets.float() / span)
         return ScoreRequest(active, pick, flat[pick], rows, positions, state.seed[rows],
-                            self.counter(rows, positions), temperature, state.canvas,
+                            self.counter(rows, positions), temperature, self.context(),
                             "salience" in self.strategy.needs)
+
+    def context(self) -> torch.Tensor | None:
+        """The decided canvases, where a repetition penalty or logits processor reads them (None otherwise)."""
+        if self.cfg.repetition_penalty == 1.0 and self.cfg.logits_processor is None:
+            return None
+        return self.state.decided_canvas()
 
     def counter(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Noise counter of (slot, position) at this step: unique per position and per step of the slot."""

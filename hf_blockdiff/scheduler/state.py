@@ -232,6 +232,12 @@ class DecodeState:
         self.logprob[rows, positions] = logprob
         self.entropy[rows, positions] = entropy
 
+    def decided_canvas(self) -> torch.Tensor:
+        """[R, width + 1] the canvases with the mask id past each slot's end and in the scratch column: what a slot
+        has (prompt and decided tokens) and nothing of the batch it shares shapes with."""
+        positions = torch.arange(self.width + 1, device=self.canvas.device)
+        return torch.where(positions < self.row_end[:, None], self.canvas, self.cfg.mask_token_id)
+
     def generated(self) -> torch.Tensor:
         """[R, width + 1] bool: inside the slot's first `max_new_tokens` generated positions."""
         positions = torch.arange(self.width + 1, device=self.canvas.device)
