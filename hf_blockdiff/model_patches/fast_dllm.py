@@ -5,6 +5,10 @@ given `attention_mask` and applies `block(q) >= block(k)` over absolute position
 `block_size`, default 32 = the released `bd_size`; training uses `bd_size`), and with its sub-block cache the block's
 tokens attend to each other fully. Our `Fast_dLLM_QwenModel` applies the same block-causal rule with `config.bd_size`
 (keeping a padding mask if one is given). Its generation reads token i from position i-1 (logit shift).
+
+The cache keywords of its `generation_functions.py` (`update_past_key_values`, `use_block_cache`,
+`block_past_key_values`, `replace_position`, `block_size`) are accepted (`released_calls.py`), and the causal LM
+returns `block_past_key_values` beside `past_key_values` when a block cache is in use, as the released one does.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 from .attention import BlockCausalDecoder
 from ..profiles import ModelProfile
 from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
+from .released_calls import BlockCacheCausalLMOutput, block_cache_for, fast_dllm_v2_call
 
 PROFILE = ModelProfile(
     mask_token_id=151665, attention="block_causal", alignment="absolute", logit_shift=True,
@@ -34,6 +39,7 @@ class Fast_dLLM_QwenModel(CompleteCheckpoint, BlockCausalDecoder, Qwen2Model):
     """Qwen2 decoder whose plain forward is block-causal over blocks of `config.bd_size`."""
 
     config_class = Fast_dLLM_QwenConfig
+    _released_call = staticmethod(fast_dllm_v2_call)
 
 
 class Fast_dLLM_QwenForCausalLM(CompleteCheckpoint, OwnDecoderLM, Qwen2ForCausalLM):
@@ -42,3 +48,11 @@ class Fast_dLLM_QwenForCausalLM(CompleteCheckpoint, OwnDecoderLM, Qwen2ForCausal
     config_class = Fast_dLLM_QwenConfig
     _supports_flash_attn = False
     decoder_class = Fast_dLLM_QwenModel
+
+    def forward(self, *args, **kwargs):
+        block_cache = block_cache_for(self.config, kwargs)  # the decoder fills it; the stock LM output drops it
+        if block_cache is None:
+            return super().forward(*args, **kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        output = BlockCacheCausalLMOutput(**super().forward(*args, **kwargs), block_past_key_values=block_cache)
+        return output.to_tuple() if return_dict is False else output
