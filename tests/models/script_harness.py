@@ -30,9 +30,8 @@ class CheckedModel:
         self.model, self.reference, self.substitute = model, reference, substitute
         self.recorded, self.forms = None, []
 
-    @property
-    def device(self):
-        return self.model.device
+    def __getattr__(self, name):  # what else the script reads on the model (its device, helpers)
+        return getattr(self.model, name)
 
     def __call__(self, *args, canvas, span, fresh=None, record=False, **kwargs):
         output = self.model(*args, **kwargs)
@@ -66,13 +65,18 @@ def both_ways(script, model, reference, *args, **kwargs):
 
 
 def confident_tokens(logits, masked, threshold):
-    """Greedy proposals and which to take: every masked position whose probability beats `threshold`, and the most
-    confident masked one of each row (the Fast-dLLM scripts' rule)."""
+    """Greedy proposals and which to take (`take_confident`)."""
     confidence, proposal = logits.softmax(-1).max(-1)
+    return proposal, take_confident(confidence, masked, threshold)
+
+
+def take_confident(confidence, masked, threshold):
+    """Every masked position whose proposal's probability beats `threshold`, and the most confident masked one of each
+    row (the Fast-dLLM scripts' rule)."""
     confidence = torch.where(masked, confidence, -torch.inf)
     chosen = confidence > threshold
     chosen[torch.arange(len(chosen)), confidence.argmax(-1)] = True
-    return proposal, chosen & masked
+    return chosen & masked
 
 
 def shift_logits(logits):

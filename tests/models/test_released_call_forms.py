@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn import functional as F
 from released_checkpoints import dream_config, fast_dllm_config, llada_config, sdar_config
 from script_harness import load_family
 from torch_reference import block_causal, qwen_logits
@@ -181,3 +182,21 @@ def test_decoder_returns_tuples_on_request(family, name):
     with torch.no_grad():
         as_tuple, as_output = decoder(ids, return_dict=False), decoder(ids)
     assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], as_output.last_hidden_state)
+
+
+def test_fast_dllm_v2_sample_with_top_p(family):
+    sample = family("fast_dllm")[0].sample_with_top_p
+    logits = torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(5))
+    tokens, probs = sample(logits, temperature=0.0)
+    assert torch.equal(tokens, logits.argmax(-1)) and torch.equal(probs, logits.softmax(-1))
+    tokens, probs = sample(logits, top_p=1e-6, temperature=0.7)  # the nucleus is the most likely token alone
+    assert torch.equal(tokens, logits.argmax(-1)) and torch.equal(probs, F.one_hot(tokens, 96).float())
+    tokens, probs = sample(logits, top_p=1.0, temperature=0.7)
+    torch.testing.assert_close(probs, (logits / 0.7).softmax(-1))
+    assert tokens.shape == (2, 5)
+    tokens, probs = sample(logits, top_p=0.5, temperature=1.0)
+    kept = probs > 0
+    assert kept.gather(-1, tokens[..., None]).all() and (probs.sum(-1) - 1).abs().max() < 1e-6
+    ordered = logits.softmax(-1).sort(-1, descending=True).values
+    expected_size = ((ordered.cumsum(-1) - ordered) <= 0.5).sum(-1)
+    assert torch.equal(kept.sum(-1), expected_size)

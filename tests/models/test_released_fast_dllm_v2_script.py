@@ -1,14 +1,14 @@
 """Fast-dLLM v2's released `generation_functions.py` (`batch_sample`) runs on our `Fast_dLLM_QwenForCausalLM`:
 `update_past_key_values` True to store a finished block and False to attend to the cache without storing,
 `block_size`, and with `use_block_cache` the block cache (`block_past_key_values` returned, passed back with an int
-`replace_position` for a sub-block)."""
+`replace_position` for a sub-block), and the model's `sample_with_top_p`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from released_checkpoints import fast_dllm_config
-from script_harness import both_ways, confident_tokens, load_family, shift_logits
+from script_harness import both_ways, load_family, shift_logits, take_confident
 from torch_reference import block_causal, qwen_logits
 
 from hf_blockdiff.model_patches.released_caches import ReleasedCache
@@ -31,7 +31,9 @@ def denoise_sub_block(model, x, cache, block_cache, small, threshold, use_block_
         output = model(input_ids=x[:, -BLOCK:], span=slice(length - BLOCK, None), **extra, **call)
         block_cache = output.block_past_key_values if use_block_cache else None
         logits = shift_logits(output.logits)[:, small * SUB_BLOCK:(small + 1) * SUB_BLOCK]
-    proposal, chosen = confident_tokens(logits, x[:, lo:lo + SUB_BLOCK] == MASK, threshold)
+    proposal, probs = model.sample_with_top_p(logits, top_p=0.95, temperature=0.0)
+    confidence = probs.gather(-1, proposal[..., None])[..., 0]
+    chosen = take_confident(confidence, x[:, lo:lo + SUB_BLOCK] == MASK, threshold)
     x[:, lo:lo + SUB_BLOCK][chosen] = proposal[chosen]
     return block_cache
 
