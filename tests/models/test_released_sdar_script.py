@@ -54,7 +54,7 @@ def sdar_generate(model, prompt, gen_length, block_length, steps, threshold):
 
 
 @pytest.mark.parametrize("config", [sdar_config, sdar_moe_config])
-@pytest.mark.parametrize("prompt_length", [6, 8])
+@pytest.mark.parametrize("prompt_length", [3, 6, 8])
 def test_generate_py_call_forms(tmp_path, config, prompt_length):
     config = config()
     model, state = load_family(tmp_path, config)
