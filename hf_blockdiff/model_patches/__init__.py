@@ -19,8 +19,9 @@ from ..profiles import ModelProfile, profile_for, register_profile, registered_m
 FAMILIES = (
     (sdar.SDARConfig, sdar.SDARModel, sdar.SDARForCausalLM, sdar.PROFILE),
     (sdar_moe.SDARMoeConfig, sdar_moe.SDARMoeModel, sdar_moe.SDARMoeForCausalLM, sdar.PROFILE),
-    (llada.LLaDAConfig, llada.LLaDAModel, llada.LLaDAModelLM, llada.PROFILE),
-    (dream.DreamConfig, dream.DreamModel, dream.DreamModel, dream.PROFILE),  # released AutoModel: the LM
+    # released AutoModel of LLaDA and Dream: the LM (their generate scripts load it with AutoModel and read .logits)
+    (llada.LLaDAConfig, llada.LLaDAModelLM, llada.LLaDAModelLM, llada.PROFILE),
+    (dream.DreamConfig, dream.DreamModel, dream.DreamModel, dream.PROFILE),
     (fast_dllm.Fast_dLLM_QwenConfig, fast_dllm.Fast_dLLM_QwenModel, fast_dllm.Fast_dLLM_QwenForCausalLM,
      fast_dllm.PROFILE),
 )

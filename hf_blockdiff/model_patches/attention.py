@@ -5,12 +5,17 @@ boolean mask for sdpa, a float mask for eager, a `BlockMask` for flex) and respe
 cache. They are always materialized: a skipped (`None`) mask would make sdpa fall back to `is_causal`, and the stock
 decoder forwards would rebuild a causal mask from it. An attention implementation without a mask function (such as
 the one the decode loop registers) gets `None` and applies its own rule. A `dict` passed as `attention_mask` is a mask
-mapping prepared by the caller and is used as is.
+mapping prepared by the caller and is used as is; a 3-D or 4-D one is an explicit mask (`released_masks.py`).
+
+The decoders also take the cache keywords of their family's released generate scripts (`released_calls.py`).
 """
 
 from __future__ import annotations
 
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+from .released_calls import plain_call
+from .released_masks import explicit_attention_mask, is_explicit_mask
 
 
 def block_causal_overlay(block_size: int):
@@ -41,20 +46,40 @@ def bidirectional_mask(config, inputs_embeds, attention_mask, past_key_values, p
     )
 
 
+def forward_mask(pattern, config, inputs_embeds, attention_mask, past_key_values, position_ids):
+    """The mask of one forward: a prepared mask mapping as is, an explicit 3-D/4-D mask in place of the pattern, else
+    `pattern` (with the padding of a 2-D `attention_mask`)."""
+    if isinstance(attention_mask, dict):
+        return attention_mask
+    if is_explicit_mask(attention_mask):
+        return explicit_attention_mask(config, inputs_embeds, attention_mask, past_key_values)
+    return pattern(config, inputs_embeds, attention_mask, past_key_values, position_ids)
+
+
 class _PatternedDecoder:
     """Mixin for a stock decoder base model (put it first in the bases): its forward applies `_mask` instead of the
-    causal mask. It changes no parameter, so weights and their names stay those of the stock model."""
+    causal mask, and `_released_call` reads the family's released cache keywords. It changes no parameter, so weights
+    and their names stay those of the stock model."""
 
     _mask = staticmethod(block_causal_mask)
+    _released_call = staticmethod(plain_call)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, **kwargs):
+                inputs_embeds=None, use_cache=None, **kwargs):
         if inputs_embeds is None:  # the mask needs the embeddings (shape, dtype, device): embed once, here
             inputs_embeds, input_ids = self.get_input_embeddings()(input_ids), None
-        if not isinstance(attention_mask, dict):
-            attention_mask = self._mask(self.config, inputs_embeds, attention_mask, past_key_values, position_ids)
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               past_key_values=past_key_values, inputs_embeds=inputs_embeds, **kwargs)
+        query_length = inputs_embeds.shape[1]
+        call = self._released_call(self.config, past_key_values, use_cache, query_length, kwargs)
+        if position_ids is None:
+            position_ids = call.position_ids(query_length, inputs_embeds.device)
+        cache = call.layers_cache
+        attention_mask = forward_mask(self._mask, self.config, inputs_embeds, attention_mask, cache, position_ids)
+        return_dict = kwargs.pop("return_dict", None)
+        output = call.finish(super().forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True, **kwargs,
+        ))
+        return output.to_tuple() if return_dict is False else output
 
 
 class BlockCausalDecoder(_PatternedDecoder):

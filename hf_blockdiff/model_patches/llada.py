@@ -9,6 +9,10 @@ RMSNorm computed in float32 (Llama's), RoPE is applied in float32 (`rope_full_pr
 ones, so checkpoints and LoRA adapters trained on the remote code load unchanged and `save_pretrained` writes the
 released names with no conversion step; the attention goes through transformers' attention interface and cache like
 stock Llama, so the decode loop's attention function and cache plug in.
+
+Released call forms: LLaDA's `generate.py` loads the model with `AutoModel` (its `auto_map` names the LM there) and
+calls `model(x, attention_mask=padding).logits`; Fast-dLLM v1's `generate.py` adds `use_cache=True`, cache tuples
+sliced to a prefix and passed back, and `replace_position` for its dual cache (`released_calls.py`).
 """
 
 from __future__ import annotations
@@ -18,15 +22,15 @@ from huggingface_hub.dataclasses import strict
 from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedConfig, PreTrainedModel
-from transformers.cache_utils import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attention_forward
 
-from .attention import bidirectional_mask
+from .attention import bidirectional_mask, forward_mask
 from ..profiles import ModelProfile
 from .released import CompleteCheckpoint, ReleasedConfig
+from .released_calls import dual_cache_call
 
 PROFILE = ModelProfile(
     mask_token_id=126336, attention="bidirectional", alignment="prompt_end", logit_shift=False, block_size=32,
@@ -211,26 +215,25 @@ class LLaDAModel(LLaDAPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.transformer.wte(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
+        query_length = inputs_embeds.shape[1]
+        call = dual_cache_call(self.config, past_key_values, use_cache, query_length, kwargs)
+        cache = call.layers_cache
         if position_ids is None:
-            start = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = torch.arange(start, start + inputs_embeds.shape[1], device=inputs_embeds.device)[None]
+            position_ids = call.position_ids(query_length, inputs_embeds.device)
+        attention_mask = forward_mask(bidirectional_mask, self.config, inputs_embeds, attention_mask, cache,
+                                      position_ids)
         if isinstance(attention_mask, dict):  # a prepared mask mapping, as stock decoders accept
             attention_mask = attention_mask["full_attention"]
-        else:
-            attention_mask = bidirectional_mask(self.config, inputs_embeds, attention_mask, past_key_values)
         position_embeddings = llada_rope(self.config, position_ids)
         hidden_states = inputs_embeds
         for block in self.transformer.blocks:
             hidden_states = block(
                 hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                position_ids=position_ids, past_key_values=past_key_values, **kwargs,
+                position_ids=position_ids, past_key_values=cache, **kwargs,
             )
-        return BaseModelOutputWithPast(
-            last_hidden_state=self.transformer.ln_f(hidden_states),
-            past_key_values=past_key_values if use_cache else None,
-        )
+        return call.finish(BaseModelOutputWithPast(
+            last_hidden_state=self.transformer.ln_f(hidden_states), past_key_values=cache if use_cache else None,
+        ))
 
 
 class LLaDAModelLM(LLaDAPreTrainedModel):

@@ -4,7 +4,8 @@ The released `modeling_sdar.py` is transformers' Qwen3 (q/k RMSNorm on the head 
 attention: in training a flex mask over `[noisy | clean]` copies of the sequence, at inference the mask the caller
 passes (its `generate.py` passes the block-causal staircase over blocks of `block_size`, prompt included), and no mask
 at all raises. Our plain forward applies that staircase itself, so `model(input_ids)` returns the logits SDAR's
-reference prefill and denoising steps see.
+reference prefill and denoising steps see; `generate.py`'s own calls (its float 0/1 [1, q, k] mask, `store_kv`) are
+accepted as well (`released_masks.py`, `released_calls.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 from .attention import BlockCausalDecoder
 from ..profiles import ModelProfile
 from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
+from .released_calls import sdar_call
 
 PROFILE = ModelProfile(
     mask_token_id=151669, attention="block_causal", alignment="absolute", logit_shift=False,
@@ -34,6 +36,7 @@ class SDARModel(CompleteCheckpoint, BlockCausalDecoder, Qwen3Model):
     """Qwen3 decoder whose plain forward is block-causal over blocks of `config.block_size`."""
 
     config_class = SDARConfig
+    _released_call = staticmethod(sdar_call)
 
 
 class SDARForCausalLM(CompleteCheckpoint, OwnDecoderLM, Qwen3ForCausalLM):

@@ -14,6 +14,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeModel
 
 from .attention import BlockCausalDecoder
 from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
+from .released_calls import sdar_call
 
 
 @strict
@@ -31,9 +32,11 @@ class SDARMoeConfig(ReleasedConfig, Qwen3MoeConfig):
 
 
 class SDARMoeModel(CompleteCheckpoint, BlockCausalDecoder, Qwen3MoeModel):
-    """Qwen3-MoE decoder whose plain forward is block-causal over blocks of `config.block_size`."""
+    """Qwen3-MoE decoder whose plain forward is block-causal over blocks of `config.block_size`; SDAR's released
+    call forms too."""
 
     config_class = SDARMoeConfig
+    _released_call = staticmethod(sdar_call)
 
 
 class SDARMoeForCausalLM(CompleteCheckpoint, OwnDecoderLM, Qwen3MoeForCausalLM):

@@ -1,6 +1,10 @@
 """Plain-torch forwards of the released architectures, written from their published descriptions and independent of
 transformers and of hf_blockdiff: what the library's classes must reproduce. They read weights by their released
-checkpoint names and compute in float32."""
+checkpoint names and compute in float32.
+
+A KV cache filled by an earlier forward is emulated without one: `record` collects every layer's keys and values of a
+forward, and `stale=(recorded, fresh)` makes a later forward of the same length attend, at the positions not marked
+`fresh`, to the recorded keys and values instead of its own (what a cache holding them gives)."""
 
 from __future__ import annotations
 
@@ -13,22 +17,36 @@ def rms_norm(x, weight, eps):
 
 
 def rope(x, positions, theta):
-    """Rotate-half RoPE on [batch, heads, seq, head_dim] with integer positions [seq]."""
+    """Rotate-half RoPE on [batch, heads, seq, head_dim] with integer positions [seq] or [batch, seq]."""
     half = x.shape[-1] // 2
     inv_freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
-    angles = (positions.double()[:, None] * inv_freq[None]).float()
-    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    angles = (positions.double()[..., None] * inv_freq).float()
+    cos, sin = torch.cat((angles.cos(),) * 2, dim=-1), torch.cat((angles.sin(),) * 2, dim=-1)
+    if positions.dim() == 2:
+        cos, sin = cos[:, None], sin[:, None]
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
 def attention(q, k, v, allowed):
-    """Softmax attention; `allowed` [batch, q, k] bool. GQA by repeating K/V heads."""
+    """Softmax attention; `allowed` [batch, q, k] bool; a query that may see no key gets zeros. GQA by repeating
+    K/V heads."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    return scores.softmax(-1) @ v
+    return scores.softmax(-1).nan_to_num(0.0) @ v
+
+
+def _cached(layer, k, v, stale, record):
+    """This layer's keys and values: recorded into `record`, and taken from `stale`'s recording where not fresh."""
+    if record is not None:
+        record.append((k, v))
+    if stale is None:
+        return k, v
+    recorded, fresh = stale
+    old_k, old_v = recorded[layer]
+    return torch.where(fresh[:, None], k, old_k), torch.where(fresh[:, None], v, old_v)
 
 
 def block_causal(length, block_size):
@@ -67,10 +85,11 @@ def _moe(state, prefix, x, cfg):
     return out
 
 
-def qwen_logits(state, cfg, ids, allowed):
+def qwen_logits(state, cfg, ids, allowed, positions=None, stale=None, record=None):
     """Qwen2 (q/k/v biases when present), Qwen3 (q/k RMSNorm per head when present) and Qwen3-MoE decoders."""
     head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-    eps, positions = cfg["rms_norm_eps"], torch.arange(ids.shape[1])
+    eps = cfg["rms_norm_eps"]
+    positions = torch.arange(ids.shape[1]) if positions is None else positions
     x = state["model.embed_tokens.weight"][ids]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
@@ -80,6 +99,7 @@ def qwen_logits(state, cfg, ids, allowed):
             q = rms_norm(q, state[f"{p}.self_attn.q_norm.weight"], eps)
             k = rms_norm(k, state[f"{p}.self_attn.k_norm.weight"], eps)
         q, k = rope(q, positions, cfg["rope_theta"]), rope(k, positions, cfg["rope_theta"])
+        k, v = _cached(i, k, v, stale, record)
         out = attention(q, k, v, allowed).transpose(1, 2).flatten(2)
         x = x + _linear(state, f"{p}.self_attn.o_proj", out)
         h = rms_norm(x, state[f"{p}.post_attention_layernorm.weight"], eps)
@@ -91,7 +111,7 @@ def qwen_logits(state, cfg, ids, allowed):
     return F.linear(rms_norm(x, state["model.norm.weight"], eps), head)
 
 
-def llada_logits(state, cfg, ids, allowed):
+def llada_logits(state, cfg, ids, allowed, stale=None, record=None):
     """LLaDA's `LLaDALlamaBlock` stack: pre-RMSNorm, RoPE from position 0, SwiGLU with `ff_proj` as the gate."""
     head_dim, eps = cfg["d_model"] // cfg["n_heads"], cfg["rms_norm_eps"]
     positions = torch.arange(ids.shape[1])
@@ -101,6 +121,7 @@ def llada_logits(state, cfg, ids, allowed):
         h = rms_norm(x, state[f"{p}.attn_norm.weight"], eps)
         q, k, v = (_split_heads(_linear(state, f"{p}.{n}_proj", h), head_dim) for n in "qkv")
         q, k = rope(q, positions, cfg["rope_theta"]), rope(k, positions, cfg["rope_theta"])
+        k, v = _cached(i, k, v, stale, record)
         x = x + _linear(state, f"{p}.attn_out", attention(q, k, v, allowed).transpose(1, 2).flatten(2))
         h = rms_norm(x, state[f"{p}.ff_norm.weight"], eps)
         x = x + _swiglu(state, f"{p}.ff_proj", f"{p}.up_proj", f"{p}.ff_out", h)
