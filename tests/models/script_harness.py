@@ -15,6 +15,8 @@ import torch
 from released_checkpoints import random_state, write_checkpoint
 from transformers import AutoModelForCausalLM
 
+MASK = 95  # the mask id of the tiny family configs
+
 
 def load_family(tmp_path, config, auto_class=AutoModelForCausalLM):
     """(model, released weights) of a tiny fp32 checkpoint in the family's released format."""
@@ -62,6 +64,20 @@ def both_ways(script, model, reference, *args, **kwargs):
         with torch.no_grad():
             runs.append(script(checked, *args, **kwargs))
     return runs[0], runs[1], checked.forms
+
+
+def check_fast_dllm_block_script(script, model, logits, state, config, seed: int, dual_cache: bool) -> None:
+    """A Fast-dLLM v1 block script (prefix or dual cache, threshold 0.3, blocks of 4, 12 new tokens) on `model` and on
+    the full-recompute `logits` reference give the same tokens, and the script used the cache forms it names."""
+    def reference(canvas, stale, record):
+        everything = torch.ones(1, canvas.shape[1], canvas.shape[1], dtype=torch.bool)
+        return logits(state, config, canvas, everything, stale=stale, record=record)
+
+    prompt = torch.randint(0, 90, (1, 5), generator=torch.Generator().manual_seed(seed))
+    tokens, reference_tokens, forms = both_ways(script, model, reference, prompt, 12, 4, 0.3, dual_cache)
+    assert torch.equal(tokens, reference_tokens) and (tokens != MASK).all()
+    cached = [form for form in forms if "past_key_values" in form]
+    assert len(cached) > 3 and all(("replace_position" in form) == dual_cache for form in cached)
 
 
 def confident_tokens(logits, masked, threshold):

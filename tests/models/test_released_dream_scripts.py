@@ -9,11 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from released_checkpoints import dream_config
-from script_harness import both_ways, confident_tokens, load_family, shift_logits
+from script_harness import MASK, both_ways, check_fast_dllm_block_script, confident_tokens, load_family, shift_logits
 from torch_reference import qwen_logits
 from transformers import AutoModel
 
-MASK = 95
 
 
 def dream_sample(model, input_ids, attention_mask, max_length, steps, eps=1e-3):
@@ -107,13 +106,4 @@ def test_generation_utils_padding_mask_and_positions(dream):
 @pytest.mark.parametrize("dual_cache", [False, True])
 def test_fast_dllm_block_generation(dream, dual_cache):
     model, state, config = dream
-
-    def reference(canvas, stale, record):
-        everything = torch.ones(1, canvas.shape[1], canvas.shape[1], dtype=torch.bool)
-        return qwen_logits(state, config, canvas, everything, stale=stale, record=record)
-
-    prompt = torch.randint(0, 90, (1, 5), generator=torch.Generator().manual_seed(2))
-    tokens, reference_tokens, forms = both_ways(dream_block_sample, model, reference, prompt, 12, 4, 0.3, dual_cache)
-    assert torch.equal(tokens, reference_tokens) and (tokens != MASK).all()
-    cached = [form for form in forms if "past_key_values" in form]
-    assert len(cached) > 3 and all(("replace_position" in form) == dual_cache for form in cached)
+    check_fast_dllm_block_script(dream_block_sample, model, qwen_logits, state, config, 2, dual_cache)

@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from released_checkpoints import llada_config
-from script_harness import both_ways, confident_tokens, load_family
+from script_harness import MASK, both_ways, check_fast_dllm_block_script, confident_tokens, load_family
 from torch_reference import key_padding, llada_logits
 from transformers import AutoModel
 
 from hf_blockdiff.model_patches.llada import LLaDAModelLM
 
-MASK = 95
 
 
 def transfer_schedule(masked, steps):
@@ -110,13 +109,4 @@ def test_generate_py_with_padding(llada, cfg_scale):
 @pytest.mark.parametrize("dual_cache", [False, True])
 def test_fast_dllm_v1_generate_py(llada, dual_cache):
     model, state, config = llada
-
-    def reference(canvas, stale, record):
-        everything = torch.ones(1, canvas.shape[1], canvas.shape[1], dtype=torch.bool)
-        return llada_logits(state, config, canvas, everything, stale=stale, record=record)
-
-    prompt = torch.randint(0, 90, (1, 5), generator=torch.Generator().manual_seed(1))
-    tokens, reference_tokens, forms = both_ways(fast_dllm_generate, model, reference, prompt, 12, 4, 0.3, dual_cache)
-    assert torch.equal(tokens, reference_tokens) and (tokens != MASK).all()
-    cached = [form for form in forms if "past_key_values" in form]
-    assert len(cached) > 3 and all(("replace_position" in form) == dual_cache for form in cached)
+    check_fast_dllm_block_script(fast_dllm_generate, model, llada_logits, state, config, 1, dual_cache)
