@@ -17,6 +17,7 @@ FALLBACKS = ("topk", "leftmost")
 CONFIDENCE_SOURCES = ("filtered", "unfiltered", "raw")
 APPROX_CACHES = ("none", "prefix", "dual")
 SCORE_PRECISIONS = ("float32", "float64")
+FORCED_TOKEN_SCOPES = ("lowest_full_block", "all_active")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flash_attn")
 
 # fields a model profile may fill in when the user leaves them unset
@@ -69,7 +70,11 @@ class BlockDiffusionConfig:
     (d3LLM: the first stop token fills every later position), add_activation_threshold (predecessor progress at
     which a newly added block is fully activated at once; None: decoded_token_threshold), score_precision
     (softmax dtype for confidence/entropy), dream_eps (ε of Dream's schedule).
-    preset: name of the preset the config came from (checked against the model's attention).
+    preset: name of the preset the config came from (the model facts it pins are checked against the profile).
+    forced_token_scope: where the forced token of rules that force one only when none passes (entropy_threshold and
+    the like) may lie: "lowest_full_block" (the lowest fully activated active block; d3LLM's Dream decoder) or
+    "all_active" (besides that, the best candidate of all the slot's active blocks when none passes in any of them;
+    d3LLM's LLaDA decoder).
     """
 
     mask_token_id: int | None = None
@@ -114,6 +119,7 @@ class BlockDiffusionConfig:
     score_precision: str = "float32"
     dream_eps: float = 1e-3
     preset: str | None = None
+    forced_token_scope: str = "lowest_full_block"
 
     def __post_init__(self) -> None:
         self._validate()
@@ -160,9 +166,12 @@ class BlockDiffusionConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             _fail("attention_backend", self.attention_backend, f"choose one of {', '.join(ATTENTION_BACKENDS)}")
         for name, allowed in (("confidence", CONFIDENCE_SOURCES), ("approx_cache", APPROX_CACHES),
-                              ("score_precision", SCORE_PRECISIONS)):
+                              ("score_precision", SCORE_PRECISIONS), ("forced_token_scope", FORCED_TOKEN_SCOPES)):
             if getattr(self, name) not in allowed:
                 _fail(name, getattr(self, name), f"choose one of {', '.join(allowed)}")
+        if self.forced_token_scope != "lowest_full_block" and not STRATEGIES[self.strategy].forced_top1:
+            _fail("forced_token_scope", self.forced_token_scope, f"strategy {self.strategy!r} has no forced token "
+                  "taken when none passes; choose 'lowest_full_block' or a strategy such as entropy_threshold")
         for name, low in (("repetition_penalty", 0.0), ("entropy_budget", 0.0), ("factor", 0.0), ("dream_eps", 0.0)):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= low:

@@ -2,8 +2,9 @@
 
 Each preset pins what changes tokens (attention, alignment, strategy and its comparison, schedule, precision of the
 scores, the reference's extra rules); what the model profile knows (mask id, block size from the checkpoint, logit
-shift, stop ids) is left to the profile unless the reference fixes it. Overrides passed to
-`BlockDiffusionConfig.from_preset(name, **overrides)` win over the preset.
+shift, stop ids, and attention where the reference follows the checkpoint, as d3LLM's) is left to the profile unless
+the reference fixes it. Overrides passed to `BlockDiffusionConfig.from_preset(name, **overrides)` win over the
+preset.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ class Preset:
     source: str
     derived: dict = field(default_factory=dict)  # field -> another field whose value it takes when not given
 
+
+# d3LLM's multi-block decoders (docs/design.md, "Presets"): what its Dream and LLaDA loops share. No attention:
+# d3LLM decodes its bidirectional checkpoints by full recompute, block-causal ones take the same rules with the cache.
+_D3LLM = dict(alignment="prompt_end", block_size=32, max_active_blocks=1 << 20, block_add_threshold=0.5,
+              decoded_token_threshold=0.5, add_activation_threshold=0.5, strategy="entropy_threshold",
+              score_precision="float64", eos_fill=True)
 
 PRESETS: dict[str, Preset] = {
     "sdar": Preset(
@@ -54,16 +61,19 @@ PRESETS: dict[str, Preset] = {
         "NVlabs/Fast-dLLM v2 generate",
     ),
     "d3llm": Preset(
-        dict(attention="block_causal", alignment="prompt_end", logit_shift=True, block_size=32,
-             max_active_blocks=1 << 20, block_add_threshold=0.5, decoded_token_threshold=0.5,
-             add_activation_threshold=0.5, strategy="entropy_threshold", threshold=0.9, score_precision="float64",
-             eos_fill=True),
-        "multi-block: add at progress ≥ 0.5, full activation at predecessor ≥ 0.5, {H < τ} plus one forced token, "
-        "EOS fill",
-        "Open-dLLM generate_multi_block (as d3LLM documents it)",
+        dict(_D3LLM, logit_shift=True, threshold=0.9),
+        "multi-block: add at progress ≥ 0.5, full activation at predecessor ≥ 0.5, {H < τ} plus the lowest H of the "
+        "lowest fully activated block when none passes there, EOS fill; attention follows the model (bidirectional: "
+        "the whole canvas recomputed each step, as d3LLM; block-causal: the exact cache)",
+        "d3LLM d3llm_dream_generate_util.py (_sample_multi_block, alg='entropy_threshold')",
+    ),
+    "d3llm_llada": Preset(
+        dict(_D3LLM, logit_shift=False, threshold=0.5, threshold_strict=False, forced_token_scope="all_active"),
+        "the d3llm rules with {H ≤ τ}, no logit shift, and also the lowest H of all active blocks when none passes "
+        "in any of them; attention follows the model",
+        "d3LLM d3llm_llada_generate_util.py (generate_multi_block, get_transfer_index_entropy)",
     ),
 }
-
 
 
 def preset_pins(name: str | None) -> dict:

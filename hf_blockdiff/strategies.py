@@ -4,8 +4,9 @@ transfer mask.
 Every strategy sees the active blocks of a step as rows of `BlockScores` ([NB, L] tensors, one row per block) and
 returns a bool [NB, L] mask of positions to commit, always a subset of `masked`. A block marked `forced` must make
 progress as its rule says (schedule count, fallback, forced token); other blocks only take the positions that pass
-the strategy's own test (multi-block decoding: docs/design.md, "The decode loop"). Ties between positions go to the lowest position.
-No strategy synchronizes with the host.
+the strategy's own test, except the slot-wide forced token of `forced_token_scope="all_active"` (multi-block
+decoding: docs/design.md, "The decode loop"). Rows come grouped by slot (`slot_blocks` per slot, in block order).
+Ties between positions go to the lowest position. No strategy synchronizes with the host.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class BlockScores:
     previous: torch.Tensor | None = None  # [NB, L] long: last step's proposal (-1: none)
     salience: torch.Tensor | None = None  # [NB, L] float: (max ℓ - mean ℓ) / std ℓ
     noise: torch.Tensor | None = None  # [NB, L] float: uniform in (0, 1), seeded per row
+    slot_blocks: int = 1  # rows come in groups of this many: one slot's active blocks, in block order
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class StrategyParams:
     factor: float = 1.0
     steps: int = 1
     dream_eps: float = 1e-3
+    forced_token_scope: str = "lowest_full_block"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Strategy:
     threshold_range: tuple[float, float] = (0.0, 1.0)
     strict: bool = True  # default comparison with the threshold
     needs: frozenset = frozenset()  # optional BlockScores fields it reads
+    forced_top1: bool = False  # forced blocks take their best candidate when none passes (forced_token_scope)
 
 
 STRATEGIES: dict[str, Strategy] = {}
@@ -105,10 +109,18 @@ def _forced_only(s: BlockScores, chosen: torch.Tensor) -> torch.Tensor:
     return chosen & s.forced[:, None]
 
 
-def _with_forced_top1(s: BlockScores, passing: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """`passing`, plus the smallest-key masked position of forced blocks where nothing passed."""
+def _with_forced_top1(s: BlockScores, p: StrategyParams, passing: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """`passing`, plus the smallest-key masked position of forced blocks where nothing passed; with
+    `forced_token_scope="all_active"` also the smallest-key masked position over all of a slot's active blocks
+    where nothing passed in any of them (d3LLM's LLaDA decoder; docs/design.md, "The decode loop")."""
     stalled = s.forced & ~passing.any(-1)
-    return passing | (select_smallest(key, s.masked, 1) & stalled[:, None])
+    chosen = passing | (select_smallest(key, s.masked, 1) & stalled[:, None])
+    if p.forced_token_scope == "all_active":
+        slot = (-1, s.slot_blocks * s.masked.shape[-1])  # a slot's rows side by side: canvas order
+        slot_stalled = ~passing.reshape(slot).any(-1)
+        slot_top1 = select_smallest(key.reshape(slot), s.masked.reshape(slot), 1) & slot_stalled[:, None]
+        chosen = chosen | slot_top1.view_as(chosen)
+    return chosen
 
 
 # -- fixed-count strategies -----------------------------------------------------------------------------------------
@@ -166,13 +178,13 @@ def _confidence_factor(s, p):
 
 
 def _entropy_threshold(s, p):
-    passing = s.masked & (s.entropy < p.threshold)
-    return _with_forced_top1(s, passing, s.entropy)
+    passing = s.masked & (s.entropy < p.threshold if p.strict else s.entropy <= p.threshold)
+    return _with_forced_top1(s, p, passing, s.entropy)
 
 
 def _entropy_bounded(s, p):
     chosen, _ = prefix_of_sorted(s.entropy, s.masked, lambda h: h.cumsum(-1) < p.entropy_budget)
-    return _with_forced_top1(s, chosen, s.entropy)
+    return _with_forced_top1(s, p, chosen, s.entropy)
 
 
 def _dynamic_pmax(s, p):
@@ -180,30 +192,30 @@ def _dynamic_pmax(s, p):
     chosen, _ = prefix_of_sorted(
         -s.confidence, s.masked, lambda neg_c: torch.log(-neg_c).cumsum(-1) >= log_threshold
     )
-    return _with_forced_top1(s, chosen, -s.confidence)
+    return _with_forced_top1(s, p, chosen, -s.confidence)
 
 
 def _causal_waterfall(s, p):
     """The longest run of masked positions, from the first one, whose confidences all pass."""
     passing = ~s.masked | _above(s.confidence, p.threshold, p.strict)
     run = s.masked & passing.long().cumprod(-1).bool()
-    return _with_forced_top1(s, run, _position_key(s))
+    return _with_forced_top1(s, p, run, _position_key(s))
 
 
 def _relative_top(s, p):
     best = s.confidence.masked_fill(~s.masked, -INF).max(-1, keepdim=True).values
     passing = s.masked & (s.confidence >= p.relative_alpha * best)
-    return _with_forced_top1(s, passing, -s.confidence)
+    return _with_forced_top1(s, p, passing, -s.confidence)
 
 
 def _consensus_commit(s, p):
     agree = (s.proposal == s.previous) & _above(s.confidence, p.threshold, p.strict)
-    return _with_forced_top1(s, s.masked & agree, -s.confidence)
+    return _with_forced_top1(s, p, s.masked & agree, -s.confidence)
 
 
 def _logit_salience(s, p):
     passing = s.masked & _above(s.salience, p.threshold, p.strict)
-    return _with_forced_top1(s, passing, -s.salience)
+    return _with_forced_top1(s, p, passing, -s.salience)
 
 
 # -- Dream's global schedule ----------------------------------------------------------------------------------------
@@ -228,7 +240,7 @@ def _dream(score: Callable[[BlockScores], torch.Tensor]):
 
 def _register_all() -> None:
     """Every strategy by name; their rules and where they come from: docs/design.md, "Scoring and strategies"."""
-    entropy_range = (0.0, INF)
+    entropy_range, top1 = (0.0, INF), dict(forced_top1=True)
     for strategy in (
         Strategy("sequential", _sequential),
         Strategy("anti_sequential", _anti_sequential),
@@ -239,14 +251,14 @@ def _register_all() -> None:
         Strategy("low_confidence_dynamic", _low_confidence_dynamic),
         Strategy("confidence_threshold", _confidence_threshold, strict=False),
         Strategy("confidence_factor", _confidence_factor),
-        Strategy("entropy_threshold", _entropy_threshold, default_threshold=0.5, threshold_range=entropy_range),
-        Strategy("entropy_bounded", _entropy_bounded),
-        Strategy("dynamic_pmax", _dynamic_pmax, strict=False),
-        Strategy("causal_waterfall", _causal_waterfall),
-        Strategy("relative_top", _relative_top),
-        Strategy("consensus_commit", _consensus_commit, needs=frozenset({"previous"})),
+        Strategy("entropy_threshold", _entropy_threshold, default_threshold=0.5, threshold_range=entropy_range, **top1),
+        Strategy("entropy_bounded", _entropy_bounded, **top1),
+        Strategy("dynamic_pmax", _dynamic_pmax, strict=False, **top1),
+        Strategy("causal_waterfall", _causal_waterfall, **top1),
+        Strategy("relative_top", _relative_top, **top1),
+        Strategy("consensus_commit", _consensus_commit, needs=frozenset({"previous"}), **top1),
         Strategy("logit_salience", _logit_salience, default_threshold=8.0, threshold_range=entropy_range,
-                 needs=frozenset({"salience"})),
+                 needs=frozenset({"salience"}), **top1),
         Strategy("maskgit_plus", _dream(lambda s: s.confidence)),
         Strategy("topk_margin", _dream(lambda s: s.margin)),
         Strategy("entropy", _dream(lambda s: -s.entropy)),

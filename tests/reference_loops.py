@@ -149,18 +149,22 @@ def llada_reference(model, prompt, mask_id, block, steps, new, remasking="low_co
 
 def multi_block_reference(model, prompt, mask_id, block, new, threshold, block_add_threshold,
                           decoded_token_threshold, max_active_blocks=10**9, shift=True, stop_ids=(), pad=0,
-                          activation_on_add=None, eos_fill=False):
-    """d3LLM/Open-dLLM-style multi-block decoding (docs/design.md, "The decode loop" and "Presets") with entropy
-    threshold and forced progress:
-    prompt_end blocks, the prompt is block 0, block-causal over blocks, full recompute of the canvas each step.
+                          activation_on_add=None, eos_fill=False, bidirectional=False, strict=True, slot_top1=False):
+    """d3LLM-style multi-block decoding (docs/design.md, "The decode loop" and "Presets") with entropy threshold and
+    forced progress: prompt_end blocks, the prompt is block 0, full recompute of the canvas each step, block-causal
+    over blocks or, with `bidirectional`, every position seeing the whole canvas, blocks not yet added included
+    (d3LLM's d3llm_dream_generate_util.py and d3llm_llada_generate_util.py run model(x) on the full canvas).
     Per step: (1) blocks whose predecessor reached `decoded_token_threshold` become fully activated; (2) one block
-    is added, fully activated at once if its predecessor reached `activation_on_add`; with `eos_fill` the first
-    decided stop token overwrites every later position before the next forward."""
+    is added, fully activated at once if its predecessor reached `activation_on_add`; (3) a forward and the choice of
+    `entropy_choice`; with `eos_fill` the first decided stop token overwrites every later position before the next
+    forward."""
     p = len(prompt)
     x = torch.full((p + new,), mask_id, dtype=torch.long)
     x[:p] = prompt
     spans = [(p + k * block, min(p + (k + 1) * block, p + new)) for k in range(math.ceil(new / block))]
     allowed = staircase(p + new, p, block, "prompt_end")
+    if bidirectional:
+        allowed = torch.ones_like(allowed)
 
     def progress(k):
         if k < 0:
@@ -193,18 +197,26 @@ def multi_block_reference(model, prompt, mask_id, block, new, threshold, block_a
         forwards += 1
         probs = torch.softmax(logits.double(), -1)
         entropy = -(probs * torch.log(probs.clamp_min(1e-300))).sum(-1)
+        masked = {k: [i for i in range(*spans[k]) if x[i] == mask_id] for k in active}
         forced = min((k for k in active if k in full), default=None)
-        chosen = []
-        for k in active:
-            lo, hi = spans[k]
-            masked = [i for i in range(lo, hi) if x[i] == mask_id]
-            passing = [i for i in masked if float(entropy[i]) < threshold]
-            if k == forced and not passing:
-                passing = top_positions({i: float(entropy[i]) for i in masked}, 1, largest=False)
-            chosen += passing
-        for i in chosen:
+        for i in entropy_choice(masked, forced, entropy, threshold, strict, slot_top1):
             x[i] = int(logits[i].argmax())
     return finish(x, p, new, stop_ids, pad if not eos_fill else None), forwards
+
+
+def entropy_choice(masked, forced, entropy, threshold, strict, slot_top1):
+    """The positions one step commits, given each active block's masked positions: those with H < τ (H ≤ τ unless
+    `strict`: d3LLM's LLaDA loop drops only H > τ); with `slot_top1` the lowest-H masked position of all active blocks
+    when none passes (get_transfer_index_entropy always keeps its top-1); then, if the `forced` block (the lowest fully
+    activated one with masks) got nothing, its lowest-H masked position."""
+    lowest = lambda positions: set(top_positions({i: float(entropy[i]) for i in positions}, 1, largest=False))
+    candidates = [i for positions in masked.values() for i in positions]
+    chosen = {i for i in candidates if (float(entropy[i]) < threshold if strict else float(entropy[i]) <= threshold)}
+    if slot_top1 and not chosen:
+        chosen = lowest(candidates)
+    if forced is not None and not chosen & set(masked[forced]):
+        chosen |= lowest(masked[forced])
+    return chosen
 
 
 def first_settled_stop(x, p, new, spans, mask_id, stop_ids):

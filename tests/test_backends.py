@@ -14,6 +14,9 @@ MODES = {
     "multi_block": dict(attention="block_causal", alignment="prompt_end", logit_shift=True, max_active_blocks=3,
                         block_add_threshold=0.5, decoded_token_threshold=0.5),
     "bidirectional": dict(attention="bidirectional", alignment="prompt_end"),
+    "multi_block_bidirectional": dict(attention="bidirectional", alignment="prompt_end", max_active_blocks=3,
+                                      block_add_threshold=0.5, decoded_token_threshold=0.5,
+                                      strategy="entropy_threshold", forced_token_scope="all_active"),
     "dual_cache": dict(attention="bidirectional", alignment="prompt_end", approx_cache="dual"),
     "guidance": dict(attention="bidirectional", alignment="prompt_end", cfg_scale=1.0),
 }

@@ -30,6 +30,8 @@ def generate(model, prompts, **settings):
     dict(attention="block_causal", alignment="prompt_end", logit_shift=True, max_active_blocks=3,
          block_add_threshold=0.5, decoded_token_threshold=0.5),
     dict(attention="bidirectional", approx_cache="dual"),
+    dict(attention="bidirectional", max_active_blocks=3, block_add_threshold=0.5, decoded_token_threshold=0.5,
+         strategy="entropy_threshold", threshold=1.0, forced_token_scope="all_active"),
     dict(attention="block_causal", temperature=0.8, top_k=20),
 ])
 def test_triton_graphs_and_compile_equal_eager_sdpa_fp32(mode):

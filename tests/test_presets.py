@@ -1,6 +1,8 @@
 """Every preset token for token against a plain re-implementation of its reference loop (batch 1 and a padded
 batch), RL outputs, forward counts that strategies determine, and preset errors."""
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -117,24 +119,82 @@ def test_fast_dllm_v2_preset_stop(qwen3):
         assert batched[row].tolist() == tokens.tolist()
 
 
+@contextmanager
+def attention_profile(model, attention):
+    """The model's profile says `attention`, as a released checkpoint's config would, for the block's duration."""
+    model.config.diffusion_attention = attention
+    try:
+        yield
+    finally:
+        del model.config.diffusion_attention
+
+
+def d3llm_reference(model, attention, prefill, **rules):
+    """d3LLM's multi-block loop (tests/reference_loops.py) with the presets' thresholds, forwards counted as the
+    decoder counts them: block-causal models also prefill the prompt into the cache."""
+    def reference(prompt):
+        tokens, forwards = multi_block_reference(model, prompt, MASK, 4, 16, block_add_threshold=0.5,
+                                                 decoded_token_threshold=0.5, activation_on_add=0.5, eos_fill=True,
+                                                 bidirectional=attention == "bidirectional", **rules)
+        return tokens, forwards + prefill
+
+    return reference
+
+
 @pytest.mark.parametrize("stop", [False, True])
-def test_d3llm_preset(qwen3, stop):
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_d3llm_preset(qwen3, attention, stop):
+    """The preset follows the model's attention: bidirectional models recompute the whole canvas (d3LLM's Dream
+    decoder), block-causal ones decode the same rules with the cache."""
     prompts = random_prompts((6, 3, 9), 7)
-    cfg = BlockDiffusionConfig.from_preset("d3llm", mask_token_id=MASK, block_size=4, max_new_tokens=14,
+    cfg = BlockDiffusionConfig.from_preset("d3llm", mask_token_id=MASK, block_size=4, max_new_tokens=16,
                                            threshold=1.2, eos_token_id=[])
-    stop_ids = ()
-    if stop:
-        free, _ = generate(qwen3, prompts, cfg)
-        stop_ids = (int(free[0, 6]),)
-        cfg = cfg.replace(eos_token_id=list(stop_ids))
-    reference = lambda p: multi_block_reference(qwen3, p, MASK, 4, 14, 1.2, 0.5, 0.5, activation_on_add=0.5,
-                                                stop_ids=stop_ids, eos_fill=True)
-    check(qwen3, prompts, cfg, reference, forwards=False)
-    _, out = generate(qwen3, prompts[:1], cfg)
-    assert out.num_forwards == reference(prompts[0])[1] + 1  # + the prompt's prefill
-    if stop:
-        batched, _ = generate(qwen3, prompts, cfg)
-        assert stop_ids[0] in batched[0].tolist()
+    with attention_profile(qwen3, attention):
+        stop_ids = ()
+        if stop:
+            free, _ = generate(qwen3, prompts, cfg)
+            stop_ids = (int(free[0, 6]),)
+            cfg = cfg.replace(eos_token_id=list(stop_ids))
+        reference = d3llm_reference(qwen3, attention, int(attention == "block_causal"), threshold=1.2,
+                                    stop_ids=stop_ids)
+        check(qwen3, prompts, cfg, reference)
+        if stop:
+            batched, _ = generate(qwen3, prompts, cfg)
+            assert stop_ids[0] in batched[0].tolist()
+
+
+D3LLM_LLADA = dict(mask_token_id=MASK, block_size=4, max_new_tokens=16, threshold=0.8, eos_token_id=[])
+
+
+@pytest.mark.parametrize("scope", ["all_active", "lowest_full_block"])
+def test_d3llm_llada_preset(qwen3, scope):
+    """d3LLM's LLaDA decoder: {H ≤ τ}, no logit shift, and (all_active) the lowest H of all active blocks when none
+    passes; at τ = 0.8 tokens pass and tokens are forced."""
+    prompts = random_prompts((6, 3, 9), 7)
+    cfg = BlockDiffusionConfig.from_preset("d3llm_llada", forced_token_scope=scope, **D3LLM_LLADA)
+    reference = d3llm_reference(qwen3, "bidirectional", 0, threshold=0.8, shift=False, strict=False,
+                                slot_top1=scope == "all_active")
+    with attention_profile(qwen3, "bidirectional"):
+        check(qwen3, prompts, cfg, reference)
+        _, out = generate(qwen3, prompts, cfg)
+    committed = out.entropies[out.commit_step >= 1]
+    assert (committed <= 0.8).any() and (committed > 0.8).any()
+
+
+def test_d3llm_llada_forced_token_saves_forwards(qwen3):
+    """Forcing over all active blocks (d3LLM's LLaDA decoder) takes fewer forwards than forcing in the lowest fully
+    activated block only, and than the d3llm (Dream decoder) preset at the same threshold."""
+    prompts = random_prompts((6, 3, 9), 7)
+    forwards = {}
+    with attention_profile(qwen3, "bidirectional"):
+        for name, scope in (("d3llm_llada", "all_active"), ("d3llm_llada", "lowest_full_block"),
+                            ("d3llm", "lowest_full_block")):
+            cfg = BlockDiffusionConfig.from_preset(name, forced_token_scope=scope, **D3LLM_LLADA)
+            forwards[name, scope] = [generate(qwen3, [prompt], cfg)[1].num_forwards for prompt in prompts]
+    llada = forwards["d3llm_llada", "all_active"]
+    assert all(a <= b for a, b in zip(llada, forwards["d3llm_llada", "lowest_full_block"]))
+    assert sum(llada) < sum(forwards["d3llm_llada", "lowest_full_block"])
+    assert sum(llada) < sum(forwards["d3llm", "lowest_full_block"])
 
 
 def test_rl_outputs_match_the_reference(qwen3):
@@ -179,11 +239,10 @@ def test_preset_errors(qwen3):
         BlockDiffusionConfig.from_preset("jet")
     with pytest.raises(ValueError, match="threshold=2.0"):
         BlockDiffusionConfig.from_preset("sdar", threshold=2.0)
-    qwen3.config.diffusion_attention = "bidirectional"
-    try:
+    with pytest.raises(ValueError, match="forced_token_scope='all_active' is invalid: strategy 'sequential'"):
+        BlockDiffusionConfig.from_preset("d3llm_llada", strategy="sequential")
+    with attention_profile(qwen3, "bidirectional"):
         cfg = BlockDiffusionConfig.from_preset("sdar", mask_token_id=MASK, block_size=4)
         with pytest.raises(ValueError, match="Preset 'sdar' decodes with attention='block_causal' but this model's "
                                              "profile has attention='bidirectional'"):
             qwen3.generate_multi_block(torch.randint(0, 50, (1, 6)), cfg)
-    finally:
-        del qwen3.config.diffusion_attention

@@ -130,18 +130,22 @@ def test_llada_semantics_with_logit_shift_and_stop(qwen3):
         assert batched[row].tolist() == tokens.tolist()
 
 
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
 @pytest.mark.parametrize("add,decoded,active", [(0.25, 0.5, 8), (0.5, 0.75, 2), (0.0, 0.0, 3)])
-def test_multi_block_semantics(qwen3, add, decoded, active):
+def test_multi_block_semantics(qwen3, add, decoded, active, attention):
+    """Multi-block rules with the cache (block-causal) and under full recompute of the whole canvas
+    (bidirectional, d3LLM's decoders)."""
     prompts = random_prompts((6, 3, 9), seed=5)
     settings = dict(block_size=4, max_new_tokens=14, strategy="entropy_threshold", threshold=1.2,
-                    attention="block_causal", alignment="prompt_end", logit_shift=True, max_active_blocks=active,
+                    attention=attention, alignment="prompt_end", logit_shift=True, max_active_blocks=active,
                     block_add_threshold=add, decoded_token_threshold=decoded, eos_token_id=[])
     batched, _ = generate(qwen3, prompts, **settings)
     for row, prompt in enumerate(prompts):
-        tokens, forwards = multi_block_reference(qwen3, prompt, MASK, 4, 14, 1.2, add, decoded, active)
+        tokens, forwards = multi_block_reference(qwen3, prompt, MASK, 4, 14, 1.2, add, decoded, active,
+                                                 bidirectional=attention == "bidirectional")
         alone, out = generate(qwen3, [prompt], **settings)
         assert batched[row].tolist() == tokens.tolist() == alone[0].tolist()
-        assert out.num_forwards == forwards + 1  # + the prefill of the prompt into the cache
+        assert out.num_forwards == forwards + (attention == "block_causal")  # + the prompt's prefill into the cache
         assert out.tokens_per_forward > 1
 
 

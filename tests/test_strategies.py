@@ -57,7 +57,7 @@ def numpy_strategy(name, row, p):
             k = len(ranked)
         return set(ranked[:k])
     if name == "entropy_threshold":
-        return forced_top1({i for i in idx if h[i] < p.threshold}, row, "entropy", False)
+        return forced_top1({i for i in idx if above(p.threshold, h[i], p.strict)}, row, "entropy", False)  # H < τ
     if name == "entropy_bounded":
         total, chosen = 0.0, set()
         for i in order(h, masked, False):
@@ -136,6 +136,50 @@ def test_strategy_matches_numpy(name, ties):
             row.update(forced=bool(s.forced[b]), scheduled=int(s.scheduled[b]), step=int(s.step[b]))
             expected = numpy_strategy(name, row, params)
             assert set(np.flatnonzero(got[b].numpy()).tolist()) == expected, (name, trial, b, row)
+
+
+# the key of the forced token of each rule that forces one only when none passes: (BlockScores field, descending)
+FORCED_KEYS = {"entropy_threshold": ("entropy", False), "entropy_bounded": ("entropy", False),
+               "dynamic_pmax": ("confidence", True), "causal_waterfall": ("position", False),
+               "relative_top": ("confidence", True), "consensus_commit": ("confidence", True),
+               "logit_salience": ("salience", True)}
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_all_active_scope_matches_numpy(name):
+    """forced_token_scope="all_active": each slot (4 consecutive rows) where no row passes also takes the best
+    masked position over all its rows (ties → the lowest row, then position); other rules ignore the scope."""
+    generator = torch.Generator().manual_seed(hash(name) % 1000)
+    assert STRATEGIES[name].forced_top1 == (name in FORCED_KEYS)
+    slot_added = 0
+    for trial in range(12):
+        s = random_scores(generator, blocks=16, length=[1, 4, 8][trial % 3], ties=bool(trial % 2))
+        s.slot_blocks = 4
+        threshold = [0.0, 0.25, 0.5] if name == "entropy_threshold" else [0.75, 0.9, 1.0]  # slots often stall
+        params = StrategyParams(threshold=threshold[trial % 3] * (12.0 if name == "logit_salience" else 1.0),
+                                strict=bool(trial % 3), entropy_budget=0.25, forced_token_scope="all_active")
+        got = STRATEGIES[name].select(s, params)
+        for slot in range(4):
+            rows = []
+            for b in range(4 * slot, 4 * slot + 4):
+                row = {k: getattr(s, k)[b].tolist() for k in ("masked", "confidence", "entropy", "margin",
+                                                            "proposal", "previous", "salience", "noise")}
+                row.update(forced=bool(s.forced[b]), scheduled=int(s.scheduled[b]), step=int(s.step[b]),
+                           position=list(range(len(row["masked"]))))
+                rows.append(row)
+            expected = [numpy_strategy(name, row, params) for row in rows]
+            passing = [numpy_strategy(name, dict(row, forced=False), params) for row in rows]
+            if name in FORCED_KEYS and not any(passing):
+                key, descending = FORCED_KEYS[name]
+                ranked = sorted((-row[key][i] if descending else row[key][i], r, i)
+                                for r, row in enumerate(rows) for i in range(len(row["masked"])) if row["masked"][i])
+                if ranked:
+                    slot_added += ranked[0][2] not in expected[ranked[0][1]]
+                    expected[ranked[0][1]] = expected[ranked[0][1]] | {ranked[0][2]}
+            for r, b in enumerate(range(4 * slot, 4 * slot + 4)):
+                assert set(np.flatnonzero(got[b].numpy()).tolist()) == expected[r], (name, trial, b)
+    if name != "relative_top":  # its best candidate always passes, so no slot stalls
+        assert (slot_added > 0) == (name in FORCED_KEYS)  # the slot-wide token made a difference somewhere
 
 
 def test_dynamic_pmax_commits_one_token_at_threshold_one():

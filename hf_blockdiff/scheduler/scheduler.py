@@ -74,7 +74,7 @@ class Scheduler:
         self.params = StrategyParams(
             threshold=cfg.effective_threshold, fallback=cfg.fallback, strict=cfg.strict_threshold,
             entropy_budget=cfg.entropy_budget, relative_alpha=cfg.relative_alpha, factor=cfg.factor,
-            steps=cfg.steps_per_block, dream_eps=cfg.dream_eps,
+            steps=cfg.steps_per_block, dream_eps=cfg.dream_eps, forced_token_scope=cfg.forced_token_scope,
         )
         self.active_blocks = min(cfg.max_active_blocks, max_blocks)
         self.chunk = cfg.block_size if cfg.block_size <= 64 else 64  # tokens per virtual row
@@ -231,6 +231,7 @@ class Scheduler:
             forced=forced.view(-1),
             step=state.forced_steps[rows, blocks].view(-1),
             proposal=grid(scores.proposal, -1).view(-1, width),
+            slot_blocks=blocks.shape[1],
         )
         needs = self.strategy.needs
         positions = active.positions.clamp(max=state.width)
