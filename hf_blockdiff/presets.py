@@ -62,8 +62,14 @@ PRESETS: dict[str, Preset] = {
         "EOS fill",
         "Open-dLLM generate_multi_block (as d3LLM documents it)",
     ),
+    "llada2": Preset(
+        dict(attention="block_causal", alignment="absolute", logit_shift=False, block_size=32, steps_per_block=32,
+             strategy="low_confidence_dynamic", threshold=0.7, threshold_strict=True, fallback="topk"),
+        "absolute blocks of 32 (prompt tail in the first), {c > 0.7}, else the n_t most confident (n_t over 32 "
+        "steps); editing off",
+        "diffusers LLaDA2Pipeline + BlockRefinementScheduler (editing_threshold=None)",
+    ),
 }
-
 
 
 def preset_pins(name: str | None) -> dict:
