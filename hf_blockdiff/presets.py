@@ -73,6 +73,13 @@ PRESETS: dict[str, Preset] = {
         "in any of them; attention follows the model",
         "d3LLM d3llm_llada_generate_util.py (generate_multi_block, get_transfer_index_entropy)",
     ),
+    "llada2": Preset(
+        dict(attention="block_causal", alignment="absolute", logit_shift=False, block_size=32, steps_per_block=32,
+             strategy="low_confidence_dynamic", threshold=0.7, threshold_strict=True, fallback="topk"),
+        "absolute blocks of 32 (prompt tail in the first), {c > 0.7}, else the n_t most confident (n_t over 32 "
+        "steps); editing off",
+        "diffusers LLaDA2Pipeline + BlockRefinementScheduler (editing_threshold=None)",
+    ),
 }
 
 

@@ -4,7 +4,7 @@
 config first) load these checkpoints with our classes, never with the remote code their `auto_map` names.
 
 The language-model classes carry the released class names (`SDARForCausalLM`, `SDARMoeForCausalLM`, `LLaDAModelLM`,
-`DreamModel`, `Fast_dLLM_QwenForCausalLM`): `save_pretrained` records the class name in `architectures`, and serving
+`DreamModel`, `Fast_dLLM_QwenForCausalLM`, `LLaDA2MoeModelLM`): `save_pretrained` records the class name in `architectures`, and serving
 engines pick their implementation by it, so a saved checkpoint keeps the released value.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from . import dream, fast_dllm, llada, sdar, sdar_moe
+from . import dream, fast_dllm, llada, llada2, sdar, sdar_moe
 from ..profiles import ModelProfile, profile_for, register_profile, registered_model_types
 
 # (config, AutoModel class, AutoModelForCausalLM class, profile)
@@ -24,6 +24,7 @@ FAMILIES = (
     (dream.DreamConfig, dream.DreamModel, dream.DreamModel, dream.PROFILE),
     (fast_dllm.Fast_dLLM_QwenConfig, fast_dllm.Fast_dLLM_QwenModel, fast_dllm.Fast_dLLM_QwenForCausalLM,
      fast_dllm.PROFILE),
+    (llada2.LLaDA2MoeConfig, llada2.LLaDA2MoeModel, llada2.LLaDA2MoeModelLM, llada2.PROFILE),
 )
 
 
@@ -35,6 +36,7 @@ def register_all() -> None:
         AutoModelForCausalLM.register(config_class, causal_lm_class, exist_ok=True)
         register_profile(config_class.model_type, profile)
     sdar_moe.register_expert_conversion()
+    llada2.register_checkpoint_conversion()
 
 
 __all__ = ["FAMILIES", "ModelProfile", "profile_for", "register_all", "register_profile", "registered_model_types"]

@@ -116,13 +116,19 @@ class LLaDAConfig(ReleasedConfig, PreTrainedConfig):
             raise ValueError("LLaDA configs with layer-norm biases (`bias_for_layer_norm`) are not supported.")
 
 
+def rope_angles(position_ids: torch.LongTensor, dim: int, theta: float):
+    """float32 rotate-half (cos, sin) of shape [batch, seq, dim] for `position_ids`: inverse frequencies
+    `theta^(-2i/dim)` (the `default` RoPE of transformers and of the released remote codes)."""
+    exponents = torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim
+    freqs = position_ids[:, :, None].float() * (1.0 / theta**exponents)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
 def llada_rope(config: LLaDAConfig, position_ids: torch.LongTensor):
     """float32 (cos, sin) of shape [batch, 1, seq, head_dim] for `position_ids`, as the remote code computes them."""
-    head_dim = config.d_model // config.n_heads
-    exponents = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
-    freqs = position_ids[:, :, None].float() * (1.0 / config.rope_theta**exponents)
-    angles = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return angles.cos(), angles.sin()
+    cos, sin = rope_angles(position_ids, config.d_model // config.n_heads, config.rope_theta)
+    return cos[:, None], sin[:, None]
 
 
 def apply_rope_fp32(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

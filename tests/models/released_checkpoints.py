@@ -71,6 +71,53 @@ def llada_config(**overrides):
     return {**config, **overrides}
 
 
+def llada2_config(**overrides):
+    """LLaDA2.0-mini's released config keys, tiny sizes (3 layers: dense, MoE, MoE; 8 experts in 4 groups)."""
+    return {
+        "architectures": ["LLaDA2MoeModelLM"], "attention_dropout": 0.0,
+        "auto_map": {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+                     "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+                     "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"},
+        "embedding_dropout": 0.0, "first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu",
+        "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 48, "max_position_embeddings": 512,
+        "max_window_layers": 3, "model_type": "llada2_moe", "moe_intermediate_size": 16,
+        "moe_router_enable_expert_bias": True, "n_group": 4, "norm_head": False, "norm_softmax": False,
+        "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
+        "num_hidden_layers": 3, "num_key_value_heads": 2, "num_shared_experts": 1, "output_dropout": 0.0,
+        "output_router_logits": False, "pad_token_id": 92, "eos_token_id": 94, "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 600000, "rotary_dim": 4,
+        "routed_scaling_factor": 2.5, "router_dtype": "fp32", "score_function": "sigmoid",
+        "tie_word_embeddings": False, "topk_group": 2, "torch_dtype": "float32", "transformers_version": "4.52.3",
+        "use_bias": False, "use_cache": False, "use_qk_norm": True, "use_qkv_bias": False,
+        "using_split_qkv_in_self_attention": False, "vocab_size": 96, "block_size": 4, **overrides,
+    }
+
+
+def _shapes_llada2(cfg):
+    hidden, head_dim = cfg["hidden_size"], cfg["head_dim"]
+    qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * head_dim
+    shapes = {"model.word_embeddings.weight": (cfg["vocab_size"], hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (cfg["vocab_size"], hidden)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes.update({f"{p}.input_layernorm.weight": (hidden,), f"{p}.post_attention_layernorm.weight": (hidden,),
+                       f"{p}.attention.query_key_value.weight": (qkv, hidden),
+                       f"{p}.attention.query_layernorm.weight": (head_dim,),
+                       f"{p}.attention.key_layernorm.weight": (head_dim,),
+                       f"{p}.attention.dense.weight": (hidden, cfg["num_attention_heads"] * head_dim)})
+        moe = i >= cfg["first_k_dense_replace"]
+        mlps = {f"{p}.mlp": cfg["intermediate_size"]} if not moe else {
+            **{f"{p}.mlp.experts.{e}": cfg["moe_intermediate_size"] for e in range(cfg["num_experts"])},
+            f"{p}.mlp.shared_experts": cfg["moe_intermediate_size"] * cfg["num_shared_experts"]}
+        for mlp, width in mlps.items():
+            shapes.update({f"{mlp}.gate_proj.weight": (width, hidden), f"{mlp}.up_proj.weight": (width, hidden),
+                           f"{mlp}.down_proj.weight": (hidden, width)})
+        if moe:
+            shapes.update({f"{p}.mlp.gate.weight": (cfg["num_experts"], hidden),
+                           f"{p}.mlp.gate.expert_bias": (cfg["num_experts"],)})
+    return shapes
+
+
 def _shapes_qwen(cfg):
     hidden, head_dim = cfg["hidden_size"], cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     q_width, kv_width = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
@@ -120,12 +167,13 @@ def _shapes_llada(cfg):
 
 def random_state(config, seed=0):
     """Random float32 weights under the released names; norm weights near 1."""
-    shapes = _shapes_llada(config) if config["model_type"] == "llada" else _shapes_qwen(config)
+    shapes = {"llada": _shapes_llada, "llada2_moe": _shapes_llada2}.get(config["model_type"], _shapes_qwen)(config)
     generator = torch.Generator().manual_seed(seed)
     state = {}
     for name, shape in sorted(shapes.items()):
         is_norm = "norm" in name or "ln_f" in name
-        state[name] = torch.randn(shape, generator=generator) * (0.1 if is_norm else 0.3) + (1.0 if is_norm else 0.0)
+        scale = 0.1 if is_norm or "expert_bias" in name else 0.3
+        state[name] = torch.randn(shape, generator=generator) * scale + (1.0 if is_norm else 0.0)
     return state
 
 

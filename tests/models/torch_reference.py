@@ -129,3 +129,48 @@ def llada_logits(state, cfg, ids, allowed, stale=None, record=None):
     if cfg["weight_tying"]:
         return F.linear(x, state["model.transformer.wte.weight"])
     return _linear(state, "model.transformer.ff_out", x)
+
+
+def _llada2_moe(state, prefix, x, cfg):
+    """LLaDA2 routing: sigmoid scores; choose among the `topk_group` groups with the largest top-2 sums of
+    score + expert_bias, the top-k of score + bias; weights = the chosen scores renormalized, times the scaling."""
+    scores = F.linear(x, state[f"{prefix}.gate.weight"]).sigmoid()
+    biased = scores + state[f"{prefix}.gate.expert_bias"]
+    grouped = biased.view(*biased.shape[:-1], cfg["n_group"], -1)
+    groups = grouped.topk(2, dim=-1).values.sum(-1).topk(cfg["topk_group"], dim=-1).indices
+    allowed = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter(-1, groups, True)
+    biased = biased.masked_fill(~allowed.repeat_interleave(grouped.shape[-1], dim=-1), float("-inf"))
+    experts = biased.topk(cfg["num_experts_per_tok"], dim=-1).indices
+    weights = scores.gather(-1, experts)
+    weights = weights / weights.sum(-1, keepdim=True) * cfg["routed_scaling_factor"]
+    out = _swiglu(state, f"{prefix}.shared_experts.gate_proj", f"{prefix}.shared_experts.up_proj",
+                  f"{prefix}.shared_experts.down_proj", x)
+    for e in range(cfg["num_experts"]):
+        name = f"{prefix}.experts.{e}"
+        expert_out = _swiglu(state, f"{name}.gate_proj", f"{name}.up_proj", f"{name}.down_proj", x)
+        out = out + (weights * (experts == e)).sum(-1, keepdim=True) * expert_out
+    return out
+
+
+def llada2_logits(state, cfg, ids, allowed):
+    """LLaDA2-MoE: fused q/k/v, per-head q/k RMSNorm, RoPE on the first `partial_rotary_factor` of each head."""
+    head_dim, eps = cfg["head_dim"], cfg["rms_norm_eps"]
+    rotary = int(head_dim * cfg["partial_rotary_factor"])
+    positions = torch.arange(ids.shape[1])
+    heads = (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_key_value_heads"])
+    x = state["model.word_embeddings.weight"][ids]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        h = rms_norm(x, state[f"{p}.input_layernorm.weight"], eps)
+        qkv = _linear(state, f"{p}.attention.query_key_value", h).split([n * head_dim for n in heads], dim=-1)
+        q, k, v = (_split_heads(part, head_dim) for part in qkv)
+        q = rms_norm(q, state[f"{p}.attention.query_layernorm.weight"], eps)
+        k = rms_norm(k, state[f"{p}.attention.key_layernorm.weight"], eps)
+        q, k = (torch.cat((rope(t[..., :rotary], positions, cfg["rope_theta"]), t[..., rotary:]), -1) for t in (q, k))
+        x = x + _linear(state, f"{p}.attention.dense", attention(q, k, v, allowed).transpose(1, 2).flatten(2))
+        h = rms_norm(x, state[f"{p}.post_attention_layernorm.weight"], eps)
+        if i >= cfg["first_k_dense_replace"]:
+            x = x + _llada2_moe(state, f"{p}.mlp", h, cfg)
+        else:
+            x = x + _swiglu(state, f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj", f"{p}.mlp.down_proj", h)
+    return F.linear(rms_norm(x, state["model.norm.weight"], eps), state["lm_head.weight"])
