@@ -75,6 +75,10 @@ class BlockDiffusionConfig:
     the like) may lie: "lowest_full_block" (the lowest fully activated active block; d3LLM's Dream decoder) or
     "all_active" (besides that, the best candidate of all the slot's active blocks when none passes in any of them;
     d3LLM's LLaDA decoder).
+    editing_threshold / max_post_steps: LLaDA2.1 editable decoding (block-causal, one active block): a decided,
+    non-prompt position of the active block takes the model's proposal where it differs with confidence
+    > editing_threshold (None: off), and a block whose masks were filled before its S-th step keeps refining while
+    its steps edit something, at most max_post_steps + 1 steps (docs/design.md, "The decode loop").
     """
 
     mask_token_id: int | None = None
@@ -120,6 +124,8 @@ class BlockDiffusionConfig:
     dream_eps: float = 1e-3
     preset: str | None = None
     forced_token_scope: str = "lowest_full_block"
+    editing_threshold: float | None = None
+    max_post_steps: int = 16
 
     def __post_init__(self) -> None:
         self._validate()
@@ -191,6 +197,16 @@ class BlockDiffusionConfig:
             _fail("sub_block_size", self.sub_block_size, "sub-blocks are Fast-dLLM v2's decoding: they need "
                   "attention='block_causal' and fused_store=False (or use the fast_dllm_v2 preset)")
         self._validate_switches()
+        self._validate_editing()
+
+    def _validate_editing(self) -> None:
+        value = self.editing_threshold
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not 0.0 < value <= 1.0):
+            _fail("editing_threshold", value, "pass a confidence in (0, 1], or None to turn editing off")
+        steps = self.max_post_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            _fail("max_post_steps", steps, "pass a non-negative integer (refinement steps after a block is filled)")
 
     def _validate_switches(self) -> None:
         for name in ("early_stop", "fused_store", "first_token_on_store", "eos_fill"):
@@ -266,6 +282,13 @@ class BlockDiffusionConfig:
         if cfg.cfg_scale > 0 and (cfg.attention != "bidirectional" or cfg.approx_cache != "none"):
             _fail("cfg_scale", cfg.cfg_scale, "classifier-free guidance needs attention='bidirectional' and no "
                   "approximate cache")
+        if cfg.editing_threshold is not None and (
+            cfg.attention != "block_causal" or cfg.max_active_blocks != 1 or not cfg.fused_store
+            or cfg.sub_block_size or cfg.first_token_on_store
+        ):
+            _fail("editing_threshold", cfg.editing_threshold, "editing refines the one active block of block-causal "
+                  "decoding: it needs attention='block_causal', max_active_blocks=1 and fused_store=True, without "
+                  "sub-blocks (or pass editing_threshold=None)")
         if cfg.first_token_on_store and (cfg.fused_store or not cfg.logit_shift):
             _fail("first_token_on_store", True, "it needs fused_store=False and logit_shift=True (Fast-dLLM v2)")
         if cfg.alignment is None:

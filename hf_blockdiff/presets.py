@@ -26,6 +26,10 @@ _D3LLM = dict(alignment="prompt_end", block_size=32, max_active_blocks=1 << 20, 
               decoded_token_threshold=0.5, add_activation_threshold=0.5, strategy="entropy_threshold",
               score_precision="float64", eos_fill=True)
 
+# diffusers' LLaDA2Pipeline + BlockRefinementScheduler (docs/design.md, "Presets"): what its two settings share.
+_LLADA2 = dict(attention="block_causal", alignment="absolute", logit_shift=False, block_size=32, steps_per_block=32,
+               strategy="low_confidence_dynamic", threshold=0.7, threshold_strict=True, fallback="topk")
+
 PRESETS: dict[str, Preset] = {
     "sdar": Preset(
         dict(attention="block_causal", alignment="absolute", logit_shift=False, strategy="low_confidence_dynamic",
@@ -74,11 +78,16 @@ PRESETS: dict[str, Preset] = {
         "d3LLM d3llm_llada_generate_util.py (generate_multi_block, get_transfer_index_entropy)",
     ),
     "llada2": Preset(
-        dict(attention="block_causal", alignment="absolute", logit_shift=False, block_size=32, steps_per_block=32,
-             strategy="low_confidence_dynamic", threshold=0.7, threshold_strict=True, fallback="topk"),
+        _LLADA2,
         "absolute blocks of 32 (prompt tail in the first), {c > 0.7}, else the n_t most confident (n_t over 32 "
         "steps); editing off",
         "diffusers LLaDA2Pipeline + BlockRefinementScheduler (editing_threshold=None)",
+    ),
+    "llada2_1": Preset(
+        dict(_LLADA2, editing_threshold=0.5, max_post_steps=16),
+        "the llada2 rules with editing: decided tokens of the active block take a different proposal of confidence "
+        "> 0.5; a block filled early keeps refining while its steps edit, up to 16 + 1 such steps",
+        "diffusers LLaDA2Pipeline + BlockRefinementScheduler (editing_threshold=0.5, max_post_steps=16)",
     ),
 }
 

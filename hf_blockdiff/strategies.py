@@ -33,6 +33,8 @@ class BlockScores:
     salience: torch.Tensor | None = None  # [NB, L] float: (max ℓ - mean ℓ) / std ℓ
     noise: torch.Tensor | None = None  # [NB, L] float: uniform in (0, 1), seeded per row
     slot_blocks: int = 1  # rows come in groups of this many: one slot's active blocks, in block order
+    editable: torch.Tensor | None = None  # [NB, L] bool: decided positions an edit may replace (editing only)
+    current: torch.Tensor | None = None  # [NB, L] long: the canvas's tokens there
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class StrategyParams:
     steps: int = 1
     dream_eps: float = 1e-3
     forced_token_scope: str = "lowest_full_block"
+    editing_threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,13 @@ def register_strategy(strategy: Strategy) -> Strategy:
 
 def strategy_names() -> tuple[str, ...]:
     return tuple(sorted(STRATEGIES))
+
+
+def select_edits(s: BlockScores, p: StrategyParams) -> torch.Tensor:
+    """LLaDA2.1's token-to-token edits (diffusers' BlockRefinementScheduler): the editable positions whose proposal
+    differs from their token with confidence > `editing_threshold`. Independent of the strategy, which commits
+    masked positions only."""
+    return s.editable & (s.proposal != s.current) & (s.confidence > p.editing_threshold)
 
 
 # -- building blocks ------------------------------------------------------------------------------------------------

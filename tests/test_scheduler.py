@@ -5,8 +5,8 @@ import torch
 
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.scheduler import Scheduler, geometry, window_policy
-from hf_blockdiff.scheduler.windows import (BlockCausal, DualCache, FullRecompute, MultiBlock, PrefixCache,
-                                            StoreForward, SubBlocks)
+from hf_blockdiff.scheduler.windows import (BlockCausal, DualCache, Editing, FullRecompute, MultiBlock,
+                                            PrefixCache, StoreForward, SubBlocks)
 from hf_blockdiff.scoring import Scores
 
 MASK, STOP = 99, 7
@@ -64,7 +64,7 @@ def generated(scheduler, row, length):
     (dict(), BlockCausal), (dict(max_active_blocks=2), MultiBlock), (dict(fused_store=False), StoreForward),
     (dict(fused_store=False, sub_block_size=2), SubBlocks), (dict(attention="bidirectional"), FullRecompute),
     (dict(attention="bidirectional", approx_cache="prefix"), PrefixCache),
-    (dict(attention="bidirectional", approx_cache="dual"), DualCache),
+    (dict(attention="bidirectional", approx_cache="dual"), DualCache), (dict(editing_threshold=0.5), Editing),
 ])
 def test_one_policy_per_mode(changes, policy):
     assert type(window_policy(config(**changes))) is policy
@@ -132,3 +132,57 @@ def test_chunk_bound_holds_for_single_block_modes():
         scheduler, log = decode(cfg, [torch.arange(6), torch.arange(3)])
         bound = scheduler.chunk_bound()
         assert all(-(-(e - s) // scheduler.chunk) <= bound for start, end, _ in log for s, e in zip(start, end))
+
+
+def confident(request, token=token_at) -> Scores:
+    """Every candidate passes a 0.9 threshold (a block fills in one step) and any editing threshold below 0.95."""
+    return made_up_scores(request, lambda positions: torch.full(positions.shape, 0.95), token)
+
+
+def flipping(request) -> Scores:
+    """Confident proposals that change at every step of a slot: every refinement step edits every decided token."""
+    return confident(request, lambda positions: 10 + (request.counters[: len(positions)] + positions) % 2)
+
+
+EDITING = dict(strategy="low_confidence_dynamic", threshold=0.9, editing_threshold=0.5, max_post_steps=2)
+
+
+@pytest.mark.parametrize("scores, per_block, edits", [(confident, [2, 2, 2], 0), (flipping, [4, 4, 4], 30)])
+def test_editing_refines_a_filled_block_while_it_edits(scores, per_block, edits):
+    """A block filled in one step (before its S-th) keeps refining: a refinement step that edits nothing ends it,
+    else at most max_post_steps + 1 of them; the prompt tail in the first block [4, 8) is never edited; blocks after
+    the active one are added only when it ends (its K/V are stored in the next block's first forward)."""
+    scheduler, log = decode(config(**EDITING), [torch.arange(6)], scores)
+    ends = [end[0] for _, end, _ in log]  # a window ends with its active block
+    assert [ends.count(8), ends.count(12), ends.count(16)] == per_block
+    assert [sum(committed[0] for *_, committed in log)] == [10]  # the strategy commits each position once
+    assert int(scheduler.state.edits[0]) == edits
+    assert scheduler.state.canvas[0, :6].tolist() == list(range(6))
+    assert not (generated(scheduler, 0, 10) == MASK).any()
+
+
+def test_editing_without_refinement_when_the_block_fills_at_its_last_step():
+    """sequential fills a block of 4 in its 4 scheduled steps (= S): no refinement step follows, though every step
+    edits what the earlier ones committed; the prompt-tail block [4, 8) fills at step 2 and refines 2 + 1 steps."""
+    scheduler, log = decode(config(**{**EDITING, "strategy": "sequential"}), [torch.arange(6)], flipping)
+    assert scheduler.num_forwards == (2 + 3) + 4 + 4
+    assert int(scheduler.state.edits[0]) == (1 + 3 * 2) + (1 + 2 + 3) * 2
+
+
+@pytest.mark.parametrize("strategy, forwards", [("low_confidence_dynamic", 3), ("anti_sequential", 11)])
+def test_editing_stops_after_a_step_that_wrote_the_stop_token(strategy, forwards):
+    """diffusers' rule: a slot stops after a step that wrote a stop token when nothing before its first stop token
+    is undecided. Filled at once, [8, 12) stops at its first step (no refinement); right to left, the stop token at 9
+    is written while 8 is undecided and no later step writes one: the row decodes to its end."""
+    stop_at_9 = lambda positions: torch.where(positions == 9, STOP, token_at(positions))  # noqa: E731
+    cfg = config(**{**EDITING, "strategy": strategy, "eos_token_id": [STOP]})
+    scheduler, log = decode(cfg, [torch.arange(6)], lambda r: confident(r, stop_at_9))
+    assert int(generated(scheduler, 0, 8)[3]) == STOP
+    assert scheduler.num_forwards == forwards
+
+
+@pytest.mark.parametrize("field, value", [("editing_threshold", 0.0), ("editing_threshold", 1.5),
+                                          ("max_post_steps", -1), ("max_post_steps", 1.0)])
+def test_editing_fields_are_validated(field, value):
+    with pytest.raises(ValueError, match=f"BlockDiffusionConfig.{field}="):
+        config(**{field: value})

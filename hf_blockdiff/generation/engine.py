@@ -36,6 +36,7 @@ class Results:
     num_forwards: int
     steps: torch.Tensor  # [N] decoding steps of each prompt (forwards that decided its tokens)
     committed: torch.Tensor  # [N] tokens committed for each prompt (those after its stop token included)
+    edits: torch.Tensor  # [N] decided tokens replaced by editing (LLaDA2.1)
 
 
 def request_seeds(count: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -101,6 +102,7 @@ class Engine:
             num_forwards=0,
             steps=torch.zeros(len(prompts), dtype=torch.long, device=device),
             committed=torch.zeros(len(prompts), dtype=torch.long, device=device),
+            edits=torch.zeros(len(prompts), dtype=torch.long, device=device),
         )
         owner = [-1] * state.num_rows  # prompt index held by each slot
         queue = list(range(len(prompts)))
@@ -156,14 +158,17 @@ class Engine:
         results.entropies[request] = state.entropy[slot, index].masked_fill(~kept, 0.0)
         results.steps[request] = state.draws[slot]
         results.committed[request] = (state.commit_step[slot, : state.width] >= 0).sum()
+        results.edits[request] = state.edits[slot]
 
 
 def step_bound(prompt_lengths: list[int], cfg: BlockDiffusionConfig) -> int:
     """More steps than the prompts can take one after another: a block takes at most max(B, S) forced steps (each
-    commits a token, or advances a schedule that asks for none), plus a store forward and a block-start forward.
+    commits a token, or advances a schedule that asks for none), plus a store forward and a block-start forward,
+    and with editing at most max_post_steps + 1 refinement steps after it is filled.
     Reaching it means a bug, never a slow decode: the call fails instead of hanging."""
     _, _, num_blocks = geometry(torch.tensor(prompt_lengths), cfg)
-    per_block = max(cfg.block_size, cfg.steps_per_block) + 2
+    refinement = 0 if cfg.editing_threshold is None else cfg.max_post_steps + 1
+    per_block = max(cfg.block_size, cfg.steps_per_block) + 2 + refinement
     return int(num_blocks.sum()) * per_block + 2 * len(prompt_lengths) + 1
 
 

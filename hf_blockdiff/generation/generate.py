@@ -25,7 +25,8 @@ class BlockDiffusionOutput(ModelOutput):
     `entropies`. `num_forwards` counts every model forward of the call, prefill and store forwards included; `steps`
     [B] the decoding steps of each prompt (forwards that decided its tokens), and `tokens_per_forward` is tokens committed
     per decoding step (TPF; the rest of the stop token's block counts: it was decoded), independent of how long the
-    other prompts of the batch run."""
+    other prompts of the batch run. `edits` [B]: decided tokens each prompt had replaced by editing (LLaDA2.1,
+    `editing_threshold`); `commit_step` is then the forward of a position's final write."""
 
     sequences: torch.LongTensor | None = None
     num_forwards: int | None = None
@@ -34,6 +35,7 @@ class BlockDiffusionOutput(ModelOutput):
     logprobs: torch.FloatTensor | None = None
     entropies: torch.FloatTensor | None = None
     steps: torch.LongTensor | None = None
+    edits: torch.LongTensor | None = None
 
 
 @torch.no_grad()
@@ -92,6 +94,7 @@ def generate_multi_block(
         commit_step=results.commit_step,
         logprobs=results.logprobs,
         entropies=results.entropies,
+        edits=results.edits,
     )
 
 

@@ -16,7 +16,7 @@ import torch
 from ..config import BlockDiffusionConfig
 from ..kernels.rng import uniform_noise
 from ..scoring import Scores
-from ..strategies import STRATEGIES, BlockScores, StrategyParams
+from ..strategies import STRATEGIES, BlockScores, StrategyParams, select_edits
 from .chunks import Chunks, plan_chunks
 from .state import BlockStatus, DecodeState, Decision
 from .windows import Stored, window_policy
@@ -42,6 +42,12 @@ class ActiveBlocks:
     valid: torch.Tensor  # [R, K]
     positions: torch.Tensor  # [R, K, B]
     candidates: torch.Tensor  # [R, K, B] undecided positions the strategy may commit
+    editable: torch.Tensor | None = None  # [R, K, B] decided positions an edit may replace (editing only)
+
+    @property
+    def scored(self) -> torch.Tensor:
+        """[R, K, B] the positions to score: candidates, and editable ones."""
+        return self.candidates if self.editable is None else self.candidates | self.editable
 
     @property
     def rows(self) -> torch.Tensor:
@@ -75,6 +81,7 @@ class Scheduler:
             threshold=cfg.effective_threshold, fallback=cfg.fallback, strict=cfg.strict_threshold,
             entropy_budget=cfg.entropy_budget, relative_alpha=cfg.relative_alpha, factor=cfg.factor,
             steps=cfg.steps_per_block, dream_eps=cfg.dream_eps, forced_token_scope=cfg.forced_token_scope,
+            editing_threshold=cfg.editing_threshold,
         )
         self.active_blocks = min(cfg.max_active_blocks, max_blocks)
         self.chunk = cfg.block_size if cfg.block_size <= 64 else 64  # tokens per virtual row
@@ -155,11 +162,12 @@ class Scheduler:
         return rows, position, open_
 
     def score_request(self, status: BlockStatus, capacity: int | None) -> ScoreRequest:
-        """The undecided positions of the active blocks, `capacity` of them (None: exactly those)."""
+        """The undecided (and, with editing, editable) positions of the active blocks, `capacity` of them (None:
+        exactly those)."""
         state = self.state
         active = self._active_blocks(status)
         rows_all = active.rows[..., None].expand_as(active.positions)
-        flat = active.candidates.reshape(-1)
+        flat = active.scored.reshape(-1)
         if capacity is None:
             pick = torch.nonzero(flat).flatten()
         else:
@@ -191,7 +199,8 @@ class Scheduler:
         blocks = blocks.clamp(max=never - 1)
         rows = torch.arange(len(blocks), device=blocks.device)[:, None]
         candidates = self.policy.candidates(status.masked[rows, blocks] & valid[..., None])
-        return ActiveBlocks(blocks, valid, state.positions[rows, blocks], candidates)
+        editable = self.policy.editable(state, status, rows, blocks, valid)
+        return ActiveBlocks(blocks, valid, state.positions[rows, blocks], candidates, editable)
 
     def decide(self, request: ScoreRequest, status: BlockStatus, scores: Scores) -> Decision:
         """The strategy's choice among the candidates, with the bookkeeping it keeps."""
@@ -206,15 +215,26 @@ class Scheduler:
 
         block_scores = self._block_scores(request, status, grid, scores)
         transfer = self.strategy.select(block_scores, self.params).view(shape) & active.candidates
+        forced = block_scores.forced.view(active.blocks.shape)
         return Decision(
             rows=active.rows[..., None].expand_as(active.positions), positions=active.positions,
             tokens=grid(scores.proposal, 0), logprob=grid(scores.logprob.float(), 0.0),
             entropy=grid(scores.entropy.float(), 0.0), commit=transfer,
             proposal_rows=request.rows, proposals=scores.proposal,
             proposal_positions=torch.where(request.picked, request.positions, state.width),
-            forced_rows=active.rows, forced_blocks=active.blocks, forced=block_scores.forced.view(active.blocks.shape),
-            stepped=active.valid.any(-1),
+            forced_rows=active.rows, forced_blocks=active.blocks, forced=forced, stepped=active.valid.any(-1),
+            **self._edits(active, status, block_scores, transfer, forced),
         )
+
+    def _edits(self, active: ActiveBlocks, status: BlockStatus, block_scores: BlockScores, transfer: torch.Tensor,
+               forced: torch.Tensor) -> dict:
+        """The Decision's editing fields (none when the mode never edits)."""
+        if active.editable is None:
+            return {}
+        edit = select_edits(block_scores, self.params).view(transfer.shape)
+        post, refining = self.policy.refinement(self.state, status, active.rows, active.blocks, transfer, edit,
+                                                forced)
+        return dict(edit=edit, post=post, refining=refining)
 
     def _block_scores(self, request: ScoreRequest, status: BlockStatus, grid, scores: Scores) -> BlockScores:
         state, active = self.state, request.active
@@ -239,6 +259,9 @@ class Scheduler:
             block_scores.previous = state.previous[rows[..., None], positions].view(-1, width)
         if "salience" in needs:
             block_scores.salience = grid(scores.salience, float("-inf")).view(-1, width)
+        if active.editable is not None:
+            block_scores.editable = active.editable.view(-1, width)
+            block_scores.current = state.canvas[rows[..., None], positions].view(-1, width)
         if "noise" in needs:
             counter = self.counter(rows[..., None].expand_as(positions), positions)
             seeds = state.seed[rows][..., None].expand_as(positions)

@@ -37,7 +37,7 @@ class BlockStatus:
     masked: torch.Tensor  # [R, NB, B] bool
     remaining: torch.Tensor  # masked positions per block
     progress: torch.Tensor  # decided fraction per block (1 for blocks past the slot's last)
-    complete: torch.Tensor
+    complete: torch.Tensor  # no mask left and not refining (editing)
 
 
 @dataclass
@@ -45,7 +45,9 @@ class Decision:
     """What one step decided. `commit` marks the positions (of `rows`, at `positions`) that take `tokens`, with the
     log-probability and entropy they were drawn with; the other fields are the strategy's bookkeeping: last proposals
     at (proposal_rows, proposal_positions), forced steps per active block (forced_rows, forced_blocks, forced), and
-    the slots that took a decoding step (`stepped`)."""
+    the slots that took a decoding step (`stepped`). With editing, `edit` marks decided positions that take `tokens`
+too, and per active block `post` says the step was a refinement step (no mask at its start) and `refining` whether
+the block keeps refining after it."""
 
     rows: torch.Tensor
     positions: torch.Tensor
@@ -60,6 +62,9 @@ class Decision:
     forced_blocks: torch.Tensor | None = None
     forced: torch.Tensor | None = None
     stepped: torch.Tensor | None = None
+    edit: torch.Tensor | None = None
+    post: torch.Tensor | None = None
+    refining: torch.Tensor | None = None
 
 
 class DecodeState:
@@ -79,6 +84,9 @@ class DecodeState:
         self.seed = zeros(rows)  # each slot's sampling seed: its noise depends on nothing else
         self.full = zeros(rows, max_blocks, dtype=torch.bool)
         self.forced_steps = zeros(rows, max_blocks)
+        self.refining = zeros(rows, max_blocks, dtype=torch.bool)  # editing: filled blocks that keep refining
+        self.post_steps = zeros(rows, max_blocks)  # editing: refinement steps of each block after it was filled
+        self.edits = zeros(rows)  # editing: decided tokens replaced
         self.done = zeros(rows, dtype=torch.bool, fill=True)
         self.nonfinite = zeros(rows, fill=-1)  # the forward whose scores first came out inf/nan, per slot (-1: none)
         self.forward_index = zeros(1)  # forwards so far, on the device so a captured step can count itself
@@ -106,7 +114,8 @@ class DecodeState:
         self.seed[slots] = seeds.to(self.seed.device)
         for buffer, fill in ((self.previous, -1), (self.commit_step, -1), (self.logprob, 0), (self.entropy, 0),
                              (self.added, 0), (self.stored, 0), (self.draws, 0), (self.full, False),
-                             (self.forced_steps, 0), (self.done, False), (self.nonfinite, -1)):
+                             (self.forced_steps, 0), (self.refining, False), (self.post_steps, 0), (self.edits, 0),
+                             (self.done, False), (self.nonfinite, -1)):
             buffer[slots] = fill
 
     # -- geometry --------------------------------------------------------------------------------------------------
@@ -151,7 +160,7 @@ class DecodeState:
         remaining = masked.sum(-1)
         length = valid.sum(-1)
         progress = torch.where(length > 0, 1.0 - remaining / length.clamp(min=1), 1.0)
-        return BlockStatus(masked, remaining, progress, remaining == 0)
+        return BlockStatus(masked, remaining, progress, (remaining == 0) & ~self.refining)
 
     def activate(self, status: BlockStatus, slots: torch.Tensor) -> None:
         """Mark blocks of `slots` ([R] bool) fully activated and add at most one block per slot (docs/design.md,
@@ -218,10 +227,21 @@ class DecodeState:
         if decision.forced is not None:
             self.forced_steps.index_put_((decision.forced_rows, decision.forced_blocks), decision.forced.long(),
                                          accumulate=True)
-        self.commit(decision.rows, decision.positions, decision.tokens, decision.logprob, decision.entropy,
-                    decision.commit)
+        written = decision.commit
+        if decision.edit is not None:
+            written = written | decision.edit
+            self._refine(decision)
+        self.commit(decision.rows, decision.positions, decision.tokens, decision.logprob, decision.entropy, written)
         if decision.stepped is not None:
             self.draws += decision.stepped.long()
+
+    def _refine(self, decision: Decision) -> None:
+        """Editing bookkeeping of the active blocks (one per slot, so no two writes meet): edits per slot, refinement
+        steps and whether each block keeps refining."""
+        rows, blocks, valid = decision.forced_rows, decision.forced_blocks, decision.stepped[:, None]
+        self.edits += decision.edit.sum((1, 2))
+        self.post_steps.index_put_((rows, blocks), (decision.post & valid).long(), accumulate=True)
+        self.refining[rows, blocks] = torch.where(valid, decision.refining, self.refining[rows, blocks])
 
     def commit(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, logprob: torch.Tensor,
                entropy: torch.Tensor, chosen: torch.Tensor) -> None:
@@ -247,6 +267,17 @@ class DecodeState:
         """Canvas position of each slot's first stop token in its generated part, and whether there is one."""
         hits = self.generated() & torch.isin(self.canvas, stop_ids)
         return hits.int().argmax(-1), hits.any(-1)
+
+    def wrote_stop(self, stop_ids: torch.Tensor) -> torch.Tensor:
+        """[R]: the slot's last step wrote a stop token into its generated part (committed or edited)."""
+        written = self.commit_step == self.forward_index
+        return (self.generated() & written & torch.isin(self.canvas, stop_ids)).any(-1)
+
+    def decided_before(self, position: torch.Tensor) -> torch.Tensor:
+        """[R]: no generated position of the slot before `position` [R] is undecided."""
+        positions = torch.arange(self.width + 1, device=self.canvas.device)
+        before = self.generated() & (positions < position[:, None])
+        return ~(before & (self.canvas == self.cfg.mask_token_id)).any(-1)
 
     def stop_block(self, stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode block of each slot's first stop token, and whether there is one."""

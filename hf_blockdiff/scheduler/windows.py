@@ -14,6 +14,8 @@ bound that lets small CUDA-graph steps chain). Everything is tensor ops on fixed
     StoreForward    exact cache, a forward of its own stores each finished block (SDAR's reference count)
     SubBlocks       Fast-dLLM v2: store forwards, sub-block by sub-block, the storing forward decides the next
                     block's first token
+    Editing         LLaDA2.1: BlockCausal whose active block's decided tokens may be edited, and which keeps
+                    refining after its last mask is filled
 
 A new mode is a subclass here, chosen in `window_policy`, and a test against a plain reference loop.
 """
@@ -76,6 +78,12 @@ class FullRecompute:
     def candidates(self, candidates: torch.Tensor) -> torch.Tensor:
         """Undecided positions ([R, K, B]) of the active blocks that the strategy may commit this step."""
         return candidates
+
+    def editable(self, state: DecodeState, status: BlockStatus, rows: torch.Tensor, blocks: torch.Tensor,
+                 valid: torch.Tensor) -> torch.Tensor | None:
+        """Decided positions ([R, K, B]) of the active blocks (`blocks` [R, K] of `rows` [R, 1]) an edit may
+        replace; None: the mode never edits."""
+        return None
 
     def finished(self, state: DecodeState, status: BlockStatus) -> torch.Tensor:
         """[R]: every block was added and is complete."""
@@ -194,10 +202,43 @@ class SubBlocks(StoreForward):
         return candidates & (torch.arange(shape[2], device=candidates.device) // sub == first)
 
 
+class Editing(BlockCausal):
+    """LLaDA2.1 (diffusers' BlockRefinementScheduler with `editing_threshold`, LLaDA2Pipeline): every step the active
+    block's decided generated positions may be edited; a block filled before its S-th step keeps refining (it is
+    not complete, so it is neither stored nor followed) while each refinement step edits something, for at most
+    `max_post_steps` + 1 such steps; a slot stops after a step that wrote a stop token when nothing before its first
+    stop token is undecided (docs/design.md, "The decode loop")."""
+
+    def editable(self, state: DecodeState, status: BlockStatus, rows: torch.Tensor, blocks: torch.Tensor,
+                 valid: torch.Tensor) -> torch.Tensor:
+        generated = state.positions[rows, blocks] >= state.prompt_len[rows][..., None]
+        return valid[..., None] & state.slot_valid[rows, blocks] & generated & ~status.masked[rows, blocks]
+
+    def refinement(self, state: DecodeState, status: BlockStatus, rows: torch.Tensor, blocks: torch.Tensor,
+                   commit: torch.Tensor, edit: torch.Tensor, forced: torch.Tensor):
+        """(post, refining) [R, K]: the step found the block without masks, and the block keeps refining after it
+        (filled, and: a step with masks was before the S-th, or a refinement step edited within its budget)."""
+        remaining = status.remaining[rows, blocks]
+        post = remaining == 0
+        filled = remaining == commit.sum(-1)
+        steps = state.forced_steps[rows, blocks] + forced.long()
+        posts = state.post_steps[rows, blocks] + post.long()
+        more = torch.where(post, edit.any(-1) & (posts <= self.cfg.max_post_steps), steps < self.cfg.steps_per_block)
+        return post, filled & more
+
+    def stopped(self, state: DecodeState, status: BlockStatus, stop_ids: torch.Tensor) -> torch.Tensor:
+        """The step wrote a stop token and nothing before the first one is undecided (a refining block stops too:
+        later edits could change what precedes the stop token)."""
+        first, has_stop = state.first_stop(stop_ids)
+        return has_stop & state.wrote_stop(stop_ids) & state.decided_before(first)
+
+
 def window_policy(cfg: BlockDiffusionConfig) -> FullRecompute:
     """The policy of a resolved config."""
     if cfg.attention == "bidirectional":
         return {"none": FullRecompute, "prefix": PrefixCache, "dual": DualCache}[cfg.approx_cache](cfg)
+    if cfg.editing_threshold is not None:
+        return Editing(cfg)
     if cfg.sub_block_size or cfg.first_token_on_store:
         return SubBlocks(cfg)
     if not cfg.fused_store:

@@ -1,4 +1,5 @@
-"""The `llada2` preset against diffusers' LLaDA2Pipeline + BlockRefinementScheduler (editing off, greedy, fp32).
+"""The `llada2` and `llada2_1` presets against diffusers' LLaDA2Pipeline + BlockRefinementScheduler (editing off and
+on, greedy, fp32).
 
 diffusers runs one prompt at a time through a thin adapter (glue only: the pipeline passes a 2-D mask over the
 canvas, the adapter turns it into the block-causal 4-D mask the released model expects, keys marked 0 removed);
@@ -20,7 +21,7 @@ diffusers = pytest.importorskip("diffusers")
 MASK, PAD, BLOCK = 95, 92, 32
 
 
-def tiny_model():
+def tiny_model(head_scale=6.0):
     config = LLaDA2MoeConfig(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
@@ -32,7 +33,7 @@ def tiny_model():
         for name, parameter in model.named_parameters():
             is_norm = "norm" in name
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * (0.1 if is_norm else 0.5) + is_norm)
-        model.lm_head.weight.mul_(6.0)  # sharp logits, so the 0.7 threshold fires
+        model.lm_head.weight.mul_(head_scale)  # 6: sharp logits, so the 0.7 threshold fires
         model.lm_head.weight[MASK] = 0.0  # logit 0 where the others reach tens: the mask is never proposed
     return model
 
@@ -44,32 +45,38 @@ class BlockCausalAdapter(nn.Module):
         super().__init__()
         self.model = model
         self.device, self.dtype = model.device, model.dtype  # read by DiffusionPipeline
+        self.calls = 0
 
     def forward(self, input_ids, attention_mask, position_ids):
+        self.calls += 1
         index = torch.arange(input_ids.shape[1])
         pattern = (index[None, :] // BLOCK) <= (index[:, None] // BLOCK)
         mask = pattern[None, None] & attention_mask.bool()[:, None, None, :]
         return self.model(input_ids, attention_mask=mask, position_ids=position_ids)
 
 
-def diffusers_tokens(model, prompt, gen_length, eos):
-    pipe = diffusers.LLaDA2Pipeline(model=BlockCausalAdapter(model), scheduler=diffusers.BlockRefinementScheduler())
+def diffusers_tokens(model, prompt, gen_length, eos, editing_threshold=None, threshold=0.7):
+    """The generated tokens and how many forwards the pipeline ran."""
+    adapter = BlockCausalAdapter(model)
+    pipe = diffusers.LLaDA2Pipeline(model=adapter, scheduler=diffusers.BlockRefinementScheduler())
     pipe.set_progress_bar_config(disable=True)
     out = pipe(input_ids=prompt[None], gen_length=gen_length, block_length=BLOCK, num_inference_steps=32,
-               temperature=0.0, threshold=0.7, editing_threshold=None, minimal_topk=1, eos_early_stop=eos is not None,
-               eos_token_id=eos, mask_token_id=MASK, output_type="seq")
-    return out.sequences[0]
+               temperature=0.0, threshold=threshold, editing_threshold=editing_threshold, max_post_steps=16, minimal_topk=1,
+               eos_early_stop=eos is not None, eos_token_id=eos, mask_token_id=MASK, output_type="seq")
+    return out.sequences[0], adapter.calls
 
 
-def ours(model, prompts, gen_length, eos):
+def ours(model, prompts, gen_length, eos, preset="llada2", **overrides):
+    """Generated tokens [N, gen_length] of one left-padded batch, and the output (edits per row)."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), PAD)
     attention_mask = torch.zeros_like(ids)
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt):], attention_mask[row, width - len(prompt):] = prompt, 1
-    cfg = BlockDiffusionConfig.from_preset("llada2", max_new_tokens=gen_length, mask_token_id=MASK,
-                                           eos_token_id=eos if eos is not None else [], pad_token_id=PAD)
-    return model.generate_multi_block(ids, cfg, attention_mask=attention_mask)[:, width:]
+    cfg = BlockDiffusionConfig.from_preset(preset, max_new_tokens=gen_length, mask_token_id=MASK,
+                                           eos_token_id=eos if eos is not None else [], pad_token_id=PAD, **overrides)
+    out = model.generate_multi_block(ids, cfg, attention_mask=attention_mask, return_dict=True)
+    return out.sequences[:, width:], out
 
 
 def _prompts(lengths, seed):
@@ -77,20 +84,52 @@ def _prompts(lengths, seed):
     return [torch.randint(0, 90, (n,), generator=generator) for n in lengths]
 
 
-@pytest.mark.parametrize("lengths, gen_length", [((5, 37, 69), 59), ((17, 49, 81), 47)])
-def test_llada2_preset_matches_diffusers(lengths, gen_length):
-    model, prompts = tiny_model(), _prompts(lengths, seed=sum(lengths))
-    without_eos = ours(model, prompts, gen_length, None)
+def check_against_diffusers(lengths, gen_length, preset, editing_threshold=None, threshold=0.7, head_scale=6.0):
+    """Without EOS, then with a token the model emits mid-way (and no prompt holds) as EOS, so the EOS rule is
+    exercised; returns the edit counts of both calls and whether every prompt took as many steps as diffusers'
+    forwards (with editing off diffusers spends one more forward on a block filled before its last step)."""
+    model, prompts = tiny_model(head_scale), _prompts(lengths, seed=sum(lengths))
+    overrides = dict(threshold=threshold, **({} if editing_threshold is None else dict(editing_threshold=editing_threshold)))
+    settings = (editing_threshold, threshold)
+    without_eos, out = ours(model, prompts, gen_length, None, preset, **overrides)
+    same_steps = True
     for row, prompt in enumerate(prompts):
-        assert without_eos[row].tolist() == diffusers_tokens(model, prompt, gen_length, None).tolist()
-    eos = int(without_eos[0, gen_length // 3])  # a token the model emits mid-way: the EOS rule is exercised
-    with_eos = ours(model, prompts, gen_length, eos)
+        expected, forwards = diffusers_tokens(model, prompt, gen_length, None, *settings)
+        assert without_eos[row].tolist() == expected.tolist()
+        same_steps &= int(out.steps[row]) == forwards
+    in_prompts = set(torch.cat(prompts).tolist())  # diffusers never stops a prompt that holds its EOS
+    eos = next(int(t) for t in without_eos[:, gen_length // 3:].flatten() if int(t) not in in_prompts)
+    with_eos, out_eos = ours(model, prompts, gen_length, eos, preset, **overrides)
     stopped = 0
     for row, prompt in enumerate(prompts):
-        expected, got = diffusers_tokens(model, prompt, gen_length, eos), with_eos[row]
+        (expected, forwards), got = diffusers_tokens(model, prompt, gen_length, eos, *settings), with_eos[row]
+        same_steps &= int(out_eos.steps[row]) == forwards
         hits = (expected == eos).nonzero()
         end = int(hits[0]) + 1 if len(hits) else gen_length  # diffusers leaves whatever follows its EOS
         assert got[:end].tolist() == expected[:end].tolist()
         assert (got[end:] == PAD).all()
         stopped += len(hits) > 0
     assert stopped > 0
+    return out.edits, out_eos.edits, same_steps
+
+
+@pytest.mark.parametrize("lengths, gen_length", [((5, 37, 69), 59), ((17, 49, 81), 47)])
+def test_llada2_preset_matches_diffusers(lengths, gen_length):
+    edits, edits_eos, _ = check_against_diffusers(lengths, gen_length, "llada2")
+    assert not edits.any() and not edits_eos.any()
+
+
+@pytest.mark.parametrize("editing_threshold, threshold", [
+    (0.5, 0.7),  # the defaults: the tiny model keeps editing until the 16 + 1 refinement steps run out
+    (0.9, 0.7),  # few edits: refinement ends at the first step that edits nothing
+    (0.5, 1.0),  # nothing passes 1: every block fills at its 32nd step and gets no refinement step
+])
+@pytest.mark.parametrize("lengths, gen_length", [((5, 37, 69), 59), ((17, 49, 81), 47)])
+def test_llada2_1_editing_matches_diffusers(lengths, gen_length, editing_threshold, threshold):
+    """Editing on: decided tokens of the active block are replaced, blocks filled early keep refining; the tiny
+    model edits, so the rule is exercised. Logits less sharp than above (head scale 1.5): no float32 ties at
+    confidence 1 for the top-k to break, and confidences spread around the editing thresholds."""
+    edits, edits_eos, same_steps = check_against_diffusers(lengths, gen_length, "llada2_1", editing_threshold,
+                                                           threshold, 1.5)
+    assert edits.sum() > 0 and edits_eos.sum() > 0
+    assert same_steps  # refinement steps included: one forward each, as diffusers
