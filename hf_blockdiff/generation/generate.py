@@ -118,14 +118,24 @@ class _TokenStream:
         row = state.canvas[0, start : start + self.cfg.max_new_tokens]
         undecided = row == self.cfg.mask_token_id
         if self.put_draft is not None:
-            self.put_draft(row.cpu(), ~undecided.cpu())
+            self.put_draft(row.to("cpu", copy=True), ~undecided.cpu())  # copies: the canvas keeps changing
         ready = int(undecided.int().argmax()) if bool(undecided.any()) else len(row)
+        if self.cfg.editing_threshold is not None:  # a decided token may still be edited until its block completes
+            ready = min(ready, _complete_prefix(state) - start)
         first, has_stop = state.first_stop(self.stop_ids)
         if bool(has_stop[0]):
             ready = min(ready, int(first[0]) - start + 1)
         if ready > self.sent:
-            self.streamer.put(row[self.sent : ready].cpu())
+            self.streamer.put(row[self.sent : ready].to("cpu", copy=True))
             self.sent = ready
 
     def end(self) -> None:
         self.streamer.end()
+
+
+def _complete_prefix(state: DecodeState) -> int:
+    """Canvas end of row 0's leading complete decode blocks (complete: no mask left and no longer refining)."""
+    incomplete = ~state.status().complete[0]
+    if not bool(incomplete.any()):
+        return state.canvas.shape[1]
+    return int(state.first_block_start[0]) + int(incomplete.int().argmax()) * state.block_size

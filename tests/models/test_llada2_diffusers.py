@@ -133,3 +133,27 @@ def test_llada2_1_editing_matches_diffusers(lengths, gen_length, editing_thresho
                                                            threshold, 1.5)
     assert edits.sum() > 0 and edits_eos.sum() > 0
     assert same_steps  # refinement steps included: one forward each, as diffusers
+
+
+def test_streamed_tokens_are_final_with_editing():
+    """A streamer gets a token only once its block stops refining: what it got is what the call returns, even though
+    edits replaced decided tokens on the way; and it gets copies, not views of the canvas that keeps changing."""
+
+    class Recorder:
+        def __init__(self):
+            self.chunks, self.given = [], []
+
+        def put(self, value):
+            self.given.append(value)
+            self.chunks.append(value.flatten().clone())
+
+        def end(self):
+            pass
+
+    model, recorder = tiny_model(head_scale=1.5), Recorder()
+    prompt = torch.randint(0, 90, (1, 21), generator=torch.Generator().manual_seed(3))
+    cfg = BlockDiffusionConfig.from_preset("llada2_1", mask_token_id=MASK, eos_token_id=[], max_new_tokens=43)
+    out = model.generate_multi_block(prompt, cfg, streamer=recorder, return_dict=True)
+    assert int(out.edits.sum()) > 0
+    assert torch.equal(torch.cat(recorder.chunks), out.sequences[0])
+    assert all(torch.equal(given.flatten(), kept) for given, kept in zip(recorder.given, recorder.chunks))
