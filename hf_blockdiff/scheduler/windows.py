@@ -90,9 +90,13 @@ class FullRecompute:
         return (state.added == state.num_blocks) & status.complete.all(-1)
 
     def stopped(self, state: DecodeState, status: BlockStatus, stop_ids: torch.Tensor) -> torch.Tensor:
-        """[R]: the block of the slot's first stop token is complete and nothing before it is undecided."""
+        """[R]: the block of the slot's first stop token is settled (see `settled`)."""
         block, has_stop = state.stop_block(stop_ids)
-        return has_stop & state.settled_through(status, block)
+        return has_stop & self.settled(state, status, block)
+
+    def settled(self, state: DecodeState, status: BlockStatus, block: torch.Tensor) -> torch.Tensor:
+        """[R]: blocks up to `block` are complete (nothing before the stop token is undecided)."""
+        return state.settled_through(status, block)
 
     def chunk_bound(self, block_size: int, chunk: int) -> int | None:
         """The most chunks one slot's window needs in any step, where the mode bounds it."""
@@ -177,14 +181,12 @@ class StoreForward(BlockCausal):
     def finished(self, state: DecodeState, status: BlockStatus) -> torch.Tensor:
         return super().finished(state, status) & (state.stored == state.num_blocks)
 
-    def stopped(self, state: DecodeState, status: BlockStatus, stop_ids: torch.Tensor) -> torch.Tensor:
+    def settled(self, state: DecodeState, status: BlockStatus, block: torch.Tensor) -> torch.Tensor:
         """The stop token's block must be stored as well (the reference stores it before it stops)."""
-        block, _ = state.stop_block(stop_ids)
-        return super().stopped(state, status, stop_ids) & (state.stored > block)
+        return super().settled(state, status, block) & (state.stored > block)
 
     def chunk_bound(self, block_size: int, chunk: int) -> int | None:
-        if self.cfg.max_active_blocks > 1:
-            return None
+        """The block alone: a finished block is stored in a forward of its own."""
         return -(-block_size // chunk)
 
 
