@@ -13,6 +13,8 @@ The decoders also take the cache keywords of their family's released generate sc
 from __future__ import annotations
 
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from .released_calls import plain_call
 from .released_masks import explicit_attention_mask, is_explicit_mask
@@ -98,3 +100,17 @@ class BidirectionalDecoder(_PatternedDecoder):
         super().__init__(config)
         for layer in self.layers:  # sdpa and flash read it from the module when they get no mask
             layer.self_attn.is_causal = False
+
+
+def attend(module, query, key, value, attention_mask, past_key_values, **kwargs):
+    """The attention of our own attention modules (LLaDA, LLaDA2): K/V into `past_key_values` when one is given,
+    then the configured transformers attention function (eager when none is set), which receives `kwargs` as is.
+    `module` carries `config`, `layer_idx`, `scaling` and `num_key_value_groups`; returns [B, W, heads·head_dim]."""
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, module.layer_idx)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
+    attended, _ = attention(
+        module, query, key, value, attention_mask,
+        dropout=module.config.attention_dropout if module.training else 0.0, scaling=module.scaling, **kwargs,
+    )
+    return attended.reshape(*attended.shape[:2], -1)

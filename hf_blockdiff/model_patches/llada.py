@@ -24,10 +24,9 @@ from torch.nn import functional as F
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attention_forward
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from .attention import bidirectional_mask, forward_mask
+from .attention import attend, bidirectional_mask, forward_mask
 from ..profiles import ModelProfile
 from .released import CompleteCheckpoint, ReleasedConfig
 from .released_calls import dual_cache_call
@@ -169,14 +168,8 @@ class LLaDABlock(GradientCheckpointingLayer):
         query = apply_rope_fp32(self.q_proj(normed).view(shape).transpose(1, 2), cos, sin)
         key = apply_rope_fp32(self.k_proj(normed).view(shape).transpose(1, 2), cos, sin)
         value = self.v_proj(normed).view(shape).transpose(1, 2)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        attended, _ = attention(
-            self, query, key, value, attention_mask,
-            dropout=self.config.attention_dropout if self.training else 0.0, scaling=self.scaling, **kwargs,
-        )
-        hidden_states = hidden_states + self.attn_out(attended.reshape(*hidden_states.shape[:-1], -1))
+        attended = attend(self, query, key, value, attention_mask, past_key_values, **kwargs)
+        hidden_states = hidden_states + self.attn_out(attended)
         normed = self.ff_norm(hidden_states)
         return hidden_states + self.ff_out(F.silu(self.ff_proj(normed)) * self.up_proj(normed))
 

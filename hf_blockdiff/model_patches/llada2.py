@@ -24,12 +24,11 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeModelOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeForCausalLM, Glm4MoeMLP, Glm4MoeMoE,
                                                             Glm4MoePreTrainedModel, Glm4MoeRMSNorm,
-                                                            apply_rotary_pos_emb, eager_attention_forward)
+                                                            apply_rotary_pos_emb)
 
-from .attention import block_causal_mask
+from .attention import attend, block_causal_mask
 from .llada import rope_angles
 from ..profiles import ModelProfile
 from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
@@ -135,14 +134,7 @@ class LLaDA2MoeAttention(nn.Module):
                              for part in self.query_key_value(hidden_states).split(self.widths, dim=-1))
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(self.query_layernorm(query), self.key_layernorm(key), cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        attended, _ = attention(
-            self, query, key, value, attention_mask,
-            dropout=self.config.attention_dropout if self.training else 0.0, scaling=self.scaling, **kwargs,
-        )
-        return self.dense(attended.reshape(*hidden_states.shape[:-1], -1))
+        return self.dense(attend(self, query, key, value, attention_mask, past_key_values, **kwargs))
 
 
 class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
