@@ -29,6 +29,7 @@ from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeForCausalLM, 
                                                             apply_rotary_pos_emb)
 
 from .attention import attend, block_causal_mask
+from .experts import ReleasedExperts
 from .llada import rope_angles
 from ..profiles import ModelProfile
 from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
@@ -151,8 +152,9 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-class LLaDA2MoePreTrainedModel(CompleteCheckpoint, Glm4MoePreTrainedModel):
+class LLaDA2MoePreTrainedModel(ReleasedExperts, CompleteCheckpoint, Glm4MoePreTrainedModel):
     config_class = LLaDA2MoeConfig
+    moe_layers = staticmethod(lambda config: list(range(config.first_k_dense_replace, config.num_hidden_layers)))
     _no_split_modules = ["LLaDA2MoeDecoderLayer"]
     _supports_flash_attn = False  # FlashAttention cannot express the block-causal staircase
     _can_record_outputs = {}
@@ -203,7 +205,7 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
                                        past_key_values=past_key_values if use_cache else None)
 
 
-class LLaDA2MoeModelLM(CompleteCheckpoint, OwnDecoderLM, Glm4MoeForCausalLM):
+class LLaDA2MoeModelLM(ReleasedExperts, CompleteCheckpoint, OwnDecoderLM, Glm4MoeForCausalLM):
     """GLM-4-MoE's causal-LM head and forward on `LLaDA2MoeModel`; loads the released checkpoints."""
 
     config_class = LLaDA2MoeConfig
@@ -212,6 +214,7 @@ class LLaDA2MoeModelLM(CompleteCheckpoint, OwnDecoderLM, Glm4MoeForCausalLM):
     _can_record_outputs = {}
     _tied_weights_keys = {"lm_head.weight": "model.word_embeddings.weight"}
     decoder_class = LLaDA2MoeModel
+    moe_layers = LLaDA2MoePreTrainedModel.moe_layers
 
 
 def register_checkpoint_conversion() -> None:

@@ -13,6 +13,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeModel
 
 from .attention import BlockCausalDecoder
+from .experts import ReleasedExperts
 from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
 from .released_calls import sdar_call
 
@@ -31,20 +32,28 @@ class SDARMoeConfig(ReleasedConfig, Qwen3MoeConfig):
         return output
 
 
-class SDARMoeModel(CompleteCheckpoint, BlockCausalDecoder, Qwen3MoeModel):
+def moe_layers(config) -> list[int]:
+    """Qwen3-MoE's rule for the layers with experts."""
+    return [layer for layer in range(config.num_hidden_layers) if layer not in config.mlp_only_layers
+            and config.num_experts > 0 and (layer + 1) % config.decoder_sparse_step == 0]
+
+
+class SDARMoeModel(ReleasedExperts, CompleteCheckpoint, BlockCausalDecoder, Qwen3MoeModel):
     """Qwen3-MoE decoder whose plain forward is block-causal over blocks of `config.block_size`; SDAR's released
     call forms too."""
 
     config_class = SDARMoeConfig
     _released_call = staticmethod(sdar_call)
+    moe_layers = staticmethod(moe_layers)
 
 
-class SDARMoeForCausalLM(CompleteCheckpoint, OwnDecoderLM, Qwen3MoeForCausalLM):
+class SDARMoeForCausalLM(ReleasedExperts, CompleteCheckpoint, OwnDecoderLM, Qwen3MoeForCausalLM):
     """Qwen3-MoE causal LM on `SDARMoeModel`."""
 
     config_class = SDARMoeConfig
     _supports_flash_attn = False
     decoder_class = SDARMoeModel
+    moe_layers = staticmethod(moe_layers)
     config_attributes = ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")
 
 
