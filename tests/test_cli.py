@@ -85,8 +85,31 @@ def test_bench_reports_both_loops(capsys):
     code = main(["bench", "--shape", "tiny", "--batch-size", "2", "--prompt-len", "9", "--new-tokens", "8",
                  "--device", "cpu", "--dtype", "float32", "--json"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0 and [r["name"] for r in report["results"]] == ["hf_blockdiff", "plain HF reference"]
+    assert code == 0 and [r["name"] for r in report["results"]] == ["hf_blockdiff", "reference (reference_loop)"]
     ours, reference = report["results"]
     # prefill + blocks of 3, 4, 4 masks (the first holds the prompt tail); the reference adds a store forward each
     assert ours["forwards"] == 1 + 11 and reference["forwards"] == 1 + 11 + 3
     assert ours["tokens"] == reference["tokens"] == 16 and report["speedup"] > 0
+
+
+@pytest.mark.parametrize("editing", [[], ["--editing-threshold", "0.5"]])
+def test_bench_llada2_against_diffusers(capsys, editing):
+    """LLaDA2 shapes run the llada2 (llada2_1 with --editing-threshold) preset against diffusers' LLaDA2Pipeline:
+    random weights never reach τ = 0.7, so both take one token per step, 32 steps per block of 32."""
+    code = main(["bench", "--shape", "llada2-tiny", "--prompt-len", "40", "--new-tokens", "56", "--device", "cpu",
+                 "--dtype", "float32", "--json", *editing])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ours, reference = report["results"]
+    assert code == 0 and reference["name"] == "reference (diffusers_llada2)"
+    # blocks [32, 64) and [64, 96) hold 24 and 32 masks; ours adds the prefill forward; diffusers runs one more
+    # forward on the first block, filled before its 32nd step (with editing, ours too: its refinement step)
+    assert reference["forwards"] == 24 + 1 + 32 and ours["forwards"] == 1 + 24 + bool(editing) + 32
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--shape", "llada2-tiny", "--strategy", "sequential"], "drop --strategy"),
+    (["--shape", "tiny", "--editing-threshold", "0.5"], "--editing-threshold needs a LLaDA2 model"),
+])
+def test_bench_refuses_settings_its_reference_lacks(capsys, extra, message):
+    assert main(["bench", *extra, "--device", "cpu", "--dtype", "float32", "--new-tokens", "8"]) == 2
+    assert message in capsys.readouterr().err

@@ -1,10 +1,13 @@
-"""`hf-blockdiff bench`: hf_blockdiff against the plain-HF reference loop, same process, same inputs.
+"""`hf-blockdiff bench`: hf_blockdiff against a reference decoder, same process, same inputs.
 
-The reference loop is how SDAR's generate.py decodes with stock transformers: a DynamicCache, a staircase prefill,
-read-only denoise forwards (the block's K/V are cropped away again) and one store forward per block, the whole
-vocabulary softmaxed in fp32 for every position of the block. Both decode the same random prompts with
-`low_confidence_static`-style schedules; the report gives tok/s, ms per forward, forwards (NFE), tokens per forward
-(TPF, per prompt), peak memory and the speedup, with the exact settings.
+The reference is chosen by the model. Block-causal models: how SDAR's generate.py decodes with stock transformers (a
+DynamicCache, a staircase prefill, read-only denoise forwards whose block K/V are cropped away again, one store
+forward per block, the whole vocabulary softmaxed in fp32 for every position of the block); both sides decode with
+`low_confidence_static`-style schedules. Bidirectional models: LLaDA's generate.py (the whole canvas recomputed every
+step). LLaDA2 models: diffusers' LLaDA2Pipeline (tools/diffusers_reference.py) against the `llada2` preset, or
+`llada2_1` with `--editing-threshold`; the report adds the MoE layer against its dense-equivalent GEMMs
+(tools/moe_timing.py). The report gives tok/s, ms per forward, forwards (NFE), tokens per forward (TPF, per prompt),
+peak memory and the speedup, with the exact settings.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from ..config import ATTENTION_BACKENDS, BlockDiffusionConfig
 from ..patching import free_cache
 from ..profiles import model_profile
 from ..strategies import strategy_names
+from .diffusers_reference import llada2_pipeline
 
 SHAPES = {  # architecture sizes of released checkpoints (random weights; nothing is downloaded)
     "tiny": dict(model_type="sdar", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -31,7 +35,12 @@ SHAPES = {  # architecture sizes of released checkpoints (random weights; nothin
                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
     "llada-8b": dict(model_type="llada", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
                      vocab_size=126464, embedding_size=126464, rope_theta=500000.0, max_sequence_length=8192),
+    "llada2-mini": dict(model_type="llada2_moe"),  # the config's defaults are LLaDA2.0-mini's (16B-A1B)
+    "llada2-tiny": dict(model_type="llada2_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, n_group=4,
+                        topk_group=2, num_experts_per_tok=2, moe_intermediate_size=32),
 }
+LLADA2 = "llada2_moe"
 
 
 @dataclass
@@ -61,7 +70,9 @@ def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dt
     model_type = sizes.pop("model_type")
     if model_type == "sdar":
         sizes["max_position_embeddings"] = 32768
-    config = AutoConfig.for_model(model_type, **sizes, mask_token_id=sizes["vocab_size"] - 1)
+    if model_type != LLADA2:  # LLaDA2's mask id is its profile's, not a config key
+        sizes["mask_token_id"] = sizes["vocab_size"] - 1
+    config = AutoConfig.for_model(model_type, **sizes)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
@@ -149,25 +160,57 @@ def reference_loop(model, prompts: torch.Tensor, cfg: BlockDiffusionConfig) -> i
     return forwards
 
 
-def bench(args) -> dict:
-    device, dtype = args.device, getattr(torch, args.dtype)
-    model = build_model(args.shape, args.model, device, dtype)
-    mask_id = getattr(model.config, "mask_token_id", None) or model.config.get_text_config().vocab_size - 1
+def diffusers_llada2(model, prompts: torch.Tensor, cfg: BlockDiffusionConfig) -> int:
+    """diffusers' LLaDA2Pipeline under the same settings; returns its forward count."""
+    return llada2_pipeline(model, prompts, cfg)[1]
+
+
+def _llada2_settings(args, mask_id: int):
+    """The llada2 / llada2_1 preset under the bench's sizes, and diffusers' pipeline as the reference."""
+    if args.strategy or args.max_active_blocks != 1:
+        raise ValueError("LLaDA2 models are benchmarked with the llada2 preset against diffusers' LLaDA2Pipeline, "
+                         "which has one rule: drop --strategy and --max-active-blocks.")
+    editing = {} if args.editing_threshold is None else {"editing_threshold": args.editing_threshold}
+    sizes = {key: value for key, value in (("block_size", args.block_size), ("steps_per_block", args.steps_per_block),
+                                           ("threshold", args.threshold)) if value is not None}
+    cfg = BlockDiffusionConfig.from_preset(
+        "llada2_1" if editing else "llada2", mask_token_id=mask_id, max_new_tokens=args.new_tokens, eos_token_id=[],
+        attention_backend=args.attention_backend, compile={"auto": None, "on": True, "off": False}[args.compile],
+        **editing, **sizes)
+    return cfg, diffusers_llada2
+
+
+def _settings(args, model, mask_id: int):
+    """(config of hf_blockdiff, reference decoder returning its forward count) for the model."""
+    if model.config.model_type == LLADA2:
+        return _llada2_settings(args, mask_id)
+    if args.editing_threshold is not None:
+        raise ValueError("--editing-threshold needs a LLaDA2 model (--shape llada2-mini): the reference loops of the "
+                         "other families do not edit.")
     bidirectional = model_profile(model).attention == "bidirectional"
+    block_size = args.block_size or 4
     cfg = BlockDiffusionConfig(
-        mask_token_id=mask_id, block_size=args.block_size, steps_per_block=args.steps_per_block or args.block_size,
-        max_new_tokens=args.new_tokens, strategy=args.strategy, threshold=args.threshold,
+        mask_token_id=mask_id, block_size=block_size, steps_per_block=args.steps_per_block or block_size,
+        max_new_tokens=args.new_tokens, strategy=args.strategy or "low_confidence_static", threshold=args.threshold,
         max_active_blocks=args.max_active_blocks, block_add_threshold=args.block_add_threshold,
         decoded_token_threshold=args.decoded_token_threshold, eos_token_id=[], attention_backend=args.attention_backend,
         attention="bidirectional" if bidirectional else "block_causal",
         alignment="prompt_end" if bidirectional else "absolute",
         compile={"auto": None, "on": True, "off": False}[args.compile],
     )
-    reference = llada_loop if bidirectional else reference_loop
+    return cfg, llada_loop if bidirectional else reference_loop
+
+
+def bench(args) -> dict:
+    device, dtype = args.device, getattr(torch, args.dtype)
+    model = build_model(args.shape, args.model, device, dtype)
+    vocab = model.config.get_text_config().vocab_size
+    mask_id = model_profile(model).mask_token_id
+    mask_id = vocab - 1 if mask_id is None else mask_id
+    cfg, reference = _settings(args, model, mask_id)
     generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, min(model.config.get_text_config().vocab_size, mask_id) - 1,
-                            (args.batch_size, args.prompt_len), generator=generator).to(device)
-    tokens = args.batch_size * args.new_tokens
+    prompts = torch.randint(0, min(vocab, mask_id) - 1, (args.batch_size, args.prompt_len), generator=generator)
+    prompts, tokens = prompts.to(device), args.batch_size * args.new_tokens
     results = []
 
     def ours():
@@ -177,8 +220,8 @@ def bench(args) -> dict:
     results.append(_measure("hf_blockdiff", ours, device, tokens, args.batch_size))
     free_cache(model)  # the reference gets the memory of our KV cache and graphs
     if not args.skip_reference:
-        results.append(_measure("plain HF reference", lambda: reference(model, prompts, cfg), device, tokens,
-                                args.batch_size))
+        results.append(_measure(f"reference ({reference.__name__})", lambda: reference(model, prompts, cfg), device,
+                                tokens, args.batch_size))
     report = {
         "settings": {key: value for key, value in vars(args).items() if key not in ("run", "json")},
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
@@ -187,6 +230,10 @@ def bench(args) -> dict:
     }
     if len(results) == 2:
         report["speedup"] = round(results[0].tok_s / results[1].tok_s, 2)
+    if model.config.model_type == LLADA2 and device.startswith("cuda"):
+        from .moe_timing import moe_against_dense
+
+        report["moe"] = [moe_against_dense(model, n * cfg.block_size) for n in sorted({1, args.batch_size})]
     return report
 
 
@@ -221,7 +268,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="prompts (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per prompt (default: %(default)s)")
-    parser.add_argument("--block-size", type=int, default=4, help="block size (default: %(default)s)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="block size (default: 4; LLaDA2: the preset's 32)")
     parser.add_argument("--steps-per-block", type=int, default=None,
                         help="decoding steps per block (default: the block size, one token per step)")
     parser.add_argument("--max-active-blocks", type=int, default=1,
@@ -230,11 +278,15 @@ def add_parser(commands) -> None:
                         help="progress of the last block at which the next one is added (default: %(default)s)")
     parser.add_argument("--decoded-token-threshold", type=float, default=1.0, help="progress of a block's "
                         "predecessor at which the block must make progress (default: %(default)s)")
-    parser.add_argument("--strategy", default="low_confidence_static",
-                        help=f"strategy of hf_blockdiff: {', '.join(strategy_names())} (default: %(default)s; the "
-                        "reference loop always commits the most confident positions on its schedule)")
+    parser.add_argument("--strategy", default=None,
+                        help=f"strategy of hf_blockdiff: {', '.join(strategy_names())} (default: "
+                        "low_confidence_static; the reference loop always commits the most confident positions on its "
+                        "schedule; LLaDA2: the llada2 preset's rule, as diffusers)")
     parser.add_argument("--threshold", type=float, default=None,
                         help="τ of the threshold strategies (default: the strategy's own)")
+    parser.add_argument("--editing-threshold", type=float, default=None,
+                        help="LLaDA2 only: decode with the llada2_1 preset (editing) at this threshold, and diffusers "
+                        "with the same (default: editing off, the llada2 preset)")
     parser.add_argument("--attention-backend", default="auto", help=f"attention kernels: "
                         f"{', '.join(ATTENTION_BACKENDS)} (default: %(default)s: Triton on CUDA, sdpa on CPU)")
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],

@@ -1,8 +1,8 @@
 """The `llada2` and `llada2_1` presets against diffusers' LLaDA2Pipeline + BlockRefinementScheduler (editing off and
 on, greedy, fp32).
 
-diffusers runs one prompt at a time through a thin adapter (glue only: the pipeline passes a 2-D mask over the
-canvas, the adapter turns it into the block-causal 4-D mask the released model expects, keys marked 0 removed);
+diffusers runs one prompt at a time through a thin adapter (tools/diffusers_reference.py, glue only: the pipeline passes
+a 2-D mask over the canvas, the adapter turns it into the block-causal 4-D mask the released model expects);
 `generate_multi_block` decodes all prompts as one left-padded batch. Prompt + new tokens end on a block boundary:
 diffusers hides the canvas past `P + gen_length` from every key (its 2-D mask), the released `generate` and we do
 not, so only there the last block could differ (docs/design.md, "Presets")."""
@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.model_patches.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
-
-diffusers = pytest.importorskip("diffusers")
+from hf_blockdiff.tools.diffusers_reference import llada2_pipeline
 
 MASK, PAD, BLOCK = 95, 92, 32
 
@@ -38,32 +36,12 @@ def tiny_model(head_scale=6.0):
     return model
 
 
-class BlockCausalAdapter(nn.Module):
-    """What LLaDA2Pipeline calls as `model`: 2-D mask over the canvas -> block-causal 4-D boolean mask."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-        self.device, self.dtype = model.device, model.dtype  # read by DiffusionPipeline
-        self.calls = 0
-
-    def forward(self, input_ids, attention_mask, position_ids):
-        self.calls += 1
-        index = torch.arange(input_ids.shape[1])
-        pattern = (index[None, :] // BLOCK) <= (index[:, None] // BLOCK)
-        mask = pattern[None, None] & attention_mask.bool()[:, None, None, :]
-        return self.model(input_ids, attention_mask=mask, position_ids=position_ids)
-
-
 def diffusers_tokens(model, prompt, gen_length, eos, editing_threshold=None, threshold=0.7):
-    """The generated tokens and how many forwards the pipeline ran."""
-    adapter = BlockCausalAdapter(model)
-    pipe = diffusers.LLaDA2Pipeline(model=adapter, scheduler=diffusers.BlockRefinementScheduler())
-    pipe.set_progress_bar_config(disable=True)
-    out = pipe(input_ids=prompt[None], gen_length=gen_length, block_length=BLOCK, num_inference_steps=32,
-               temperature=0.0, threshold=threshold, editing_threshold=editing_threshold, max_post_steps=16, minimal_topk=1,
-               eos_early_stop=eos is not None, eos_token_id=eos, mask_token_id=MASK, output_type="seq")
-    return out.sequences[0], adapter.calls
+    """The generated tokens and how many forwards the pipeline ran (32 steps per block of 32, 16 post steps)."""
+    settings = BlockDiffusionConfig(mask_token_id=MASK, block_size=BLOCK, steps_per_block=32, max_new_tokens=gen_length,
+                                    threshold=threshold, editing_threshold=editing_threshold, max_post_steps=16)
+    sequences, forwards = llada2_pipeline(model, prompt[None], settings, eos)
+    return sequences[0], forwards
 
 
 def ours(model, prompts, gen_length, eos, preset="llada2", **overrides):
