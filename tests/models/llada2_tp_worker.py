@@ -6,6 +6,7 @@ import sys
 
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
 
 import hf_blockdiff  # noqa: F401  (registers the llada2_moe family)
 from hf_blockdiff import BlockDiffusionConfig
@@ -17,7 +18,8 @@ MASK = torch.tensor([[1] * 7, [0, 0] + [1] * 5])
 
 
 def main(checkpoint: str, output: str) -> None:
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, tp_plan="auto", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=DistributedConfig(tp_plan="auto"),
+                                                 dtype=torch.float32)
     out = model.generate_multi_block(PROMPTS, CFG, attention_mask=MASK, return_dict=True)
     if torch.distributed.get_rank() == 0:
         experts = model.model.layers[1].mlp.experts
