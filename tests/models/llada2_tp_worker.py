@@ -5,8 +5,7 @@ import json
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM
-from transformers.distributed import DistributedConfig
+from transformers import AutoModelForCausalLM, DistributedConfig
 
 import hf_blockdiff  # noqa: F401  (registers the llada2_moe family)
 from hf_blockdiff import BlockDiffusionConfig
