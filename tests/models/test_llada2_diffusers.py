@@ -137,3 +137,35 @@ def test_streamed_tokens_are_final_with_editing():
     assert int(out.edits.sum()) > 0
     assert torch.equal(torch.cat(recorder.chunks), out.sequences[0])
     assert all(torch.equal(given, kept) for given, kept in recorder.drafts)  # no draft changed after it was given
+
+
+def test_commit_step_is_the_final_write_under_editing():
+    """`commit_step` names the forward that wrote each token's final value: the last step at which the drafts show
+    the position change, one fixed offset from the draft index. Edits rewrite decided tokens, so for some positions
+    that step is later than the one that first decided them."""
+
+    class Drafts:
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            pass
+
+        def put_draft(self, tokens, decided):
+            self.tokens.append(tokens)
+
+        def end(self):
+            pass
+
+    model, drafts = tiny_model(head_scale=1.5), Drafts()
+    prompt = torch.randint(0, 90, (1, 45), generator=torch.Generator().manual_seed(5))
+    cfg = BlockDiffusionConfig.from_preset("llada2_1", mask_token_id=MASK, eos_token_id=[], max_new_tokens=51)
+    out = model.generate_multi_block(prompt, cfg, streamer=drafts, return_dict=True)
+    history = torch.stack([torch.full_like(drafts.tokens[0], MASK), *drafts.tokens])
+    changed = history[1:] != history[:-1]  # [steps, positions]
+    steps = torch.arange(len(drafts.tokens))[:, None]
+    last_write = torch.where(changed, steps, -1).amax(0)
+    first_write = torch.where(changed, steps, len(drafts.tokens)).amin(0)
+    assert (last_write >= 0).all()
+    assert len(set((out.commit_step[0] - last_write).tolist())) == 1
+    assert (last_write > first_write).any() and int(out.edits[0]) > 0
