@@ -113,22 +113,25 @@ def test_llada2_1_editing_matches_diffusers(lengths, gen_length, editing_thresho
     assert same_steps  # refinement steps included: one forward each, as diffusers
 
 
+class Recorder:
+    """A streamer keeping what it was given: token chunks, and each draft with a copy taken on arrival."""
+
+    def __init__(self):
+        self.chunks, self.drafts = [], []
+
+    def put(self, value):
+        self.chunks.append(value.flatten().clone())
+
+    def put_draft(self, tokens, decided):
+        self.drafts.append((tokens, tokens.clone()))
+
+    def end(self):
+        pass
+
+
 def test_streamed_tokens_are_final_with_editing():
     """A streamer gets a token only once its block stops refining: what it got is what the call returns, even though
     edits replaced decided tokens on the way; and it gets copies, not views of the canvas that keeps changing."""
-
-    class Recorder:
-        def __init__(self):
-            self.chunks, self.drafts = [], []
-
-        def put(self, value):
-            self.chunks.append(value.flatten().clone())
-
-        def put_draft(self, tokens, decided):
-            self.drafts.append((tokens, tokens.clone()))
-
-        def end(self):
-            pass
 
     model, recorder = tiny_model(head_scale=1.5), Recorder()
     prompt = torch.randint(0, 90, (1, 21), generator=torch.Generator().manual_seed(3))
@@ -143,29 +146,16 @@ def test_commit_step_is_the_final_write_under_editing():
     """`commit_step` names the forward that wrote each token's final value: the last step at which the drafts show
     the position change, one fixed offset from the draft index. Edits rewrite decided tokens, so for some positions
     that step is later than the one that first decided them."""
-
-    class Drafts:
-        def __init__(self):
-            self.tokens = []
-
-        def put(self, value):
-            pass
-
-        def put_draft(self, tokens, decided):
-            self.tokens.append(tokens)
-
-        def end(self):
-            pass
-
-    model, drafts = tiny_model(head_scale=1.5), Drafts()
+    model, recorder = tiny_model(head_scale=1.5), Recorder()
     prompt = torch.randint(0, 90, (1, 45), generator=torch.Generator().manual_seed(5))
     cfg = BlockDiffusionConfig.from_preset("llada2_1", mask_token_id=MASK, eos_token_id=[], max_new_tokens=51)
-    out = model.generate_multi_block(prompt, cfg, streamer=drafts, return_dict=True)
-    history = torch.stack([torch.full_like(drafts.tokens[0], MASK), *drafts.tokens])
+    out = model.generate_multi_block(prompt, cfg, streamer=recorder, return_dict=True)
+    drafts = [tokens for tokens, _ in recorder.drafts]
+    history = torch.stack([torch.full_like(drafts[0], MASK), *drafts])
     changed = history[1:] != history[:-1]  # [steps, positions]
-    steps = torch.arange(len(drafts.tokens))[:, None]
+    steps = torch.arange(len(drafts))[:, None]
     last_write = torch.where(changed, steps, -1).amax(0)
-    first_write = torch.where(changed, steps, len(drafts.tokens)).amin(0)
+    first_write = torch.where(changed, steps, len(drafts)).amin(0)
     assert (last_write >= 0).all()
     assert len(set((out.commit_step[0] - last_write).tolist())) == 1
     assert (last_write > first_write).any() and int(out.edits[0]) > 0
