@@ -44,6 +44,38 @@ class ForwardPlan:
         return self._dense_mask
 
 
+class PagePool:
+    """The pages of the pool and their references (rows, and prefixes kept for later calls); a page with none is free.
+    Page 0 (scratch) is never handed out. Host-side bookkeeping: page tables carry the result to the device."""
+
+    def __init__(self, num_pages: int):
+        self.references = [0] * num_pages
+        self.free = list(range(num_pages - 1, SCRATCH_PAGE, -1))
+        self.peak = 0
+
+    @property
+    def in_use(self) -> int:
+        return len(self.references) - 1 - len(self.free)
+
+    def take(self, count: int) -> list[int] | None:
+        """`count` free pages (not yet referenced), or None when fewer are free."""
+        if count > len(self.free):
+            return None
+        taken = [self.free.pop() for _ in range(count)]
+        self.peak = max(self.peak, self.in_use)
+        return taken
+
+    def hold(self, pages: list[int]) -> None:
+        for page in pages:
+            self.references[page] += 1
+
+    def drop(self, pages: list[int]) -> None:
+        for page in pages:
+            self.references[page] -= 1
+            if self.references[page] == 0:
+                self.free.append(page)
+
+
 class PagedBlockCache(Cache):
     def __init__(self, num_layers: int, page_size: int = 64):
         super().__init__(layers=[])
@@ -57,25 +89,51 @@ class PagedBlockCache(Cache):
 
     # -- rows and pages ---------------------------------------------------------------------------------------
 
-    def start(self, row_tokens: list[int], device: torch.device) -> None:
-        """Begin a batch whose row r holds up to row_tokens[r] tokens: each row gets its own pages (kept for the next
-        prompt of the row), all committed lengths 0."""
-        pages = [math.ceil(n / self.page_size) for n in row_tokens]
-        if 1 + sum(pages) > self.num_pages:
-            self.num_pages = 1 + sum(pages)
+    def start(self, num_rows: int, row_capacity: int, pool_tokens: int, device: torch.device) -> None:
+        """Begin a call with `num_rows` rows of up to `row_capacity` tokens each and a pool of `pool_tokens` tokens
+        (rounded up to pages); every row holds no page until `assign` gives it some."""
+        pool = 1 + math.ceil(pool_tokens / self.page_size)
+        if pool > self.num_pages:
+            self.num_pages = pool
             self.keys = [None] * self.num_layers
             self.values = [None] * self.num_layers
-        table = torch.full((len(row_tokens), max(pages, default=0) or 1), SCRATCH_PAGE, dtype=torch.int32)
-        first = SCRATCH_PAGE + 1
-        for row, count in enumerate(pages):
-            table[row, :count] = torch.arange(first, first + count, dtype=torch.int32)
-            first += count
-        self.page_table = table.to(device)
-        self.committed = torch.zeros(len(row_tokens), dtype=torch.long, device=device)
+        self.row_pages: list[list[int]] = [[] for _ in range(num_rows)]
+        self.page_table = torch.zeros((num_rows, max(self.pages_for(row_capacity), 1)), dtype=torch.int32,
+                                      device=device)
+        self.committed = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.reset_pages()
 
-    def reset_rows(self, rows: torch.Tensor) -> None:
-        """Rows `rows` start a new prompt: nothing of theirs is committed."""
-        self.committed[rows] = 0
+    def reset_pages(self) -> None:
+        """Every page free, no row holding any."""
+        self.pages = PagePool(self.num_pages)
+        self.row_pages = [[] for _ in self.row_pages]
+        self.page_table.fill_(SCRATCH_PAGE)
+
+    def pages_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.page_size)
+
+    def assign(self, row: int, pages: list[int]) -> None:
+        """Row `row` starts a new prompt on `pages` (its page table, in order; the row takes a reference to each):
+        nothing of it is committed. Its previous pages are released first."""
+        self.release(row)
+        self.pages.hold(pages)
+        self.row_pages[row] = list(pages)
+        table = torch.full((self.page_table.shape[1],), SCRATCH_PAGE, dtype=torch.int32)
+        table[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.page_table[row] = table.to(self.page_table.device)
+        self.committed[row] = 0
+
+    def release(self, row: int) -> None:
+        """Row `row` lets go of its pages (a page returns to the pool with its last reference)."""
+        self.pages.drop(self.row_pages[row])
+        self.row_pages[row] = []
+
+    def copy_page(self, source: int, target: int) -> None:
+        """Copy the K/V of page `source` into page `target` in every layer (a shared prefix ending inside a page
+        continues in a page of the row's own: copy on write at the prefix boundary)."""
+        for pool in (*self.keys, *self.values):
+            if pool is not None:
+                pool[target].copy_(pool[source])
 
     def commit(self, rows: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """Advance the committed pointer of `rows` by `num_tokens` (written by the last forward)."""

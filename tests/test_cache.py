@@ -65,15 +65,35 @@ def test_pages_are_reused_across_calls(qwen3):
 
 def test_rows_own_their_pages_and_commit_advances():
     cache = PagedBlockCache(num_layers=1, page_size=16)
-    cache.start([40, 20], torch.device("cpu"))
-    first, second = cache.page_table[0, :3].tolist(), cache.page_table[1, :2].tolist()
-    assert 0 not in first + second and not set(first) & set(second) and cache.num_pages == 1 + 3 + 2
+    cache.start(2, 40, 5 * 16, torch.device("cpu"))
+    assert cache.num_pages == 1 + 5 and cache.page_table.shape == (2, 3)
+    first, second = cache.pages.take(3), cache.pages.take(2)
+    cache.assign(0, first)
+    cache.assign(1, second)
+    assert cache.page_table[0].tolist() == first and cache.page_table[1, :2].tolist() == second
+    assert 0 not in first + second and not set(first) & set(second) and cache.pages.take(1) is None
     cache.commit(torch.tensor([1]), torch.tensor([7]))
     assert cache.committed.tolist() == [0, 7] and cache.get_seq_length() == 7
     cache.crop(-5)
     assert cache.committed.tolist() == [0, 2]
     with pytest.raises(ValueError, match="negative"):
         cache.crop(3)
+
+
+def test_pages_return_to_the_pool_with_their_last_reference():
+    """A page shared by two rows (a prompt prefix) is free again only when both let go of it."""
+    cache = PagedBlockCache(num_layers=1, page_size=4)
+    cache.start(2, 8, 3 * 4, torch.device("cpu"))
+    shared, own = cache.pages.take(1), cache.pages.take(2)
+    cache.assign(0, shared + own[:1])
+    cache.assign(1, shared + own[1:])
+    assert cache.pages.in_use == 3 and cache.pages.take(1) is None
+    cache.release(0)
+    assert cache.pages.in_use == 2 and cache.pages.take(1) == own[:1]
+    cache.release(1)
+    assert cache.pages.in_use == 1 and cache.pages.peak == 3  # own[0], taken above and not assigned
+    cache.reset_pages()
+    assert cache.pages.in_use == 0 and (cache.page_table == 0).all()
 
 
 def test_write_ahead_does_not_move_the_pointer(qwen3):

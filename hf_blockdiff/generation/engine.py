@@ -21,6 +21,7 @@ from ..scheduler import Scheduler, geometry
 from .executor import ModelExecutor
 from .fusion import fusion_for
 from .graphs import StepGraphs
+from .pages import PageAssigner
 from .step import DecodeStep
 
 
@@ -80,6 +81,8 @@ class Engine:
         fusion = fusion_for(cfg, backend, graphs, device, model)
         self.executor = ModelExecutor(model, cfg, backend, fusion, slots, width, device)
         self.decode_step = DecodeStep(self.scheduler, self.executor)
+        guided = cfg.cfg_scale > 0  # the unconditional canvases mask the prompt: their prefix differs
+        self.pages = PageAssigner(self.executor.cache, slots, guided, share=self.scheduler.policy.prefills and not guided)
         self.step = StepGraphs(self.decode_step, capture=device.type == "cuda").step if graphs else self.decode_step
 
     @property
@@ -91,7 +94,9 @@ class Engine:
         return (cfg == self.cfg and backend.name == self.backend.name
                 and self.state.fits(slots, width, max_blocks))
 
-    def generate(self, prompts: list[torch.Tensor], seeds: torch.Tensor, stream=None) -> Results:
+    def generate(self, prompts: list[torch.Tensor], seeds: torch.Tensor, stream=None,
+                 groups: list[int] | None = None) -> Results:
+        """Decode `prompts`; requests of one group (samples of one prompt) share the prompt's prefix K/V."""
         cfg, state = self.cfg, self.state
         device, new = state.canvas.device, cfg.max_new_tokens
         results = Results(
@@ -106,9 +111,13 @@ class Engine:
         )
         owner = [-1] * state.num_rows  # prompt index held by each slot
         queue = list(range(len(prompts)))
+        first, row_end, _ = geometry(torch.tensor([len(p) for p in prompts]), cfg)
+        requests = _Requests(prompts, seeds, list(range(len(prompts))) if groups is None else groups, first.tolist(),
+                             row_end.tolist())
         self.scheduler.start_call()
+        self.pages.start_call()
         with _Progress(len(prompts), new) as progress:
-            self._admit(list(range(min(state.num_rows, len(prompts)))), queue, owner, prompts, seeds)
+            self._admit(list(range(state.num_rows)), queue, owner, requests)
             for _ in range(step_bound([len(p) for p in prompts], cfg)):
                 if all(request < 0 for request in owner):
                     break
@@ -121,10 +130,11 @@ class Engine:
                 stops = state.first_stop(self.scheduler.stop_ids) if finished else None
                 for slot in finished:
                     self._harvest(slot, owner[slot], results, stops)
+                    self.pages.release(slot)
                     owner[slot] = -1
                 progress.show(finished, decided, owner)
-                self._admit(finished, queue, owner, prompts, seeds)
-        if any(request >= 0 for request in owner):
+                self._admit([slot for slot in range(state.num_rows) if owner[slot] < 0], queue, owner, requests)
+        if queue or any(request >= 0 for request in owner):
             raise RuntimeError("generate_multi_block did not finish within the steps its blocks can take: please "
                                "report this with the config and the prompt lengths.")
         if stream is not None:
@@ -132,15 +142,24 @@ class Engine:
         results.num_forwards = self.scheduler.num_forwards
         return results
 
-    def _admit(self, slots: list[int], queue: list[int], owner: list[int], prompts, seeds: torch.Tensor) -> None:
-        taken = [(slot, queue.pop(0)) for slot in slots if queue]
-        if not taken:
+    def _admit(self, slots: list[int], queue: list[int], owner: list[int], requests: "_Requests") -> None:
+        """Queued requests into free `slots`, in order, while the pool has their pages."""
+        admissions = []
+        for slot in slots:
+            if not queue:
+                break
+            request = queue[0]
+            admission = self.pages.admit(slot, request, requests.groups[request], requests.row_end[request],
+                                         requests.prefix[request])
+            if admission is None:
+                break
+            admissions.append(admission)
+            owner[slot] = queue.pop(0)
+        if not admissions:
             return
-        index = torch.tensor([slot for slot, _ in taken], device=self.state.canvas.device)
-        for slot, request in taken:
-            owner[slot] = request
-        self.decode_step.admit(index, [prompts[request] for _, request in taken],
-                               seeds[[request for _, request in taken]])
+        index = torch.tensor([a.slot for a in admissions], device=self.state.canvas.device)
+        taken = [a.request for a in admissions]
+        self.decode_step.admit(index, [requests.prompts[r] for r in taken], requests.seeds[taken], admissions)
 
     def _harvest(self, slot: int, request: int, results: Results, stops: tuple[torch.Tensor, torch.Tensor]) -> None:
         state, cfg = self.state, self.cfg
@@ -159,6 +178,17 @@ class Engine:
         results.steps[request] = state.draws[slot]
         results.committed[request] = (state.commit_step[slot, : state.width] >= 0).sum()
         results.edits[request] = state.edits[slot]
+
+
+@dataclass
+class _Requests:
+    """The prompts of a call, their seeds, groups (samples of one prompt), prefix lengths and canvas ends."""
+
+    prompts: list[torch.Tensor]
+    seeds: torch.Tensor
+    groups: list[int]
+    prefix: list[int]
+    row_end: list[int]
 
 
 def step_bound(prompt_lengths: list[int], cfg: BlockDiffusionConfig) -> int:

@@ -26,7 +26,10 @@ class ModelExecutor:
         self.lm_head = model.get_output_embeddings()
         self.num_rows, self.guided = rows, cfg.cfg_scale > 0
         self.cache = PagedBlockCache(model.config.get_text_config().num_hidden_layers, cfg.page_size)
-        self.cache.start([width] * (2 * rows if self.guided else rows), device)
+        cache_rows = 2 * rows if self.guided else rows
+        # every row's canvas, and a page per row for the tail of a shared prefix whose first sample has finished
+        pages = cache_rows * self.cache.pages_for(width) + rows
+        self.cache.start(cache_rows, width, pages * cfg.page_size, device)
         hidden = model.config.get_text_config().hidden_size
         # logit shift: the hidden state before a slot's first undecided position, kept from the forward that stored it
         self.carry = torch.zeros(rows, hidden, dtype=self.lm_head.weight.dtype, device=device)
@@ -48,14 +51,14 @@ class ModelExecutor:
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
         return hidden.chunk(2) if self.guided else (hidden, None)
 
-    def commit(self, stored: Stored, chunks: Chunks, hidden: torch.Tensor) -> None:
+    def commit(self, stored: Stored, chunks: Chunks | None, hidden: torch.Tensor | None) -> None:
         """Advance the cache's committed lengths to what the forward stored; with a logit shift keep the hidden
         state of each slot's last stored position (it predicts the next one)."""
         rows = torch.arange(len(stored.has), device=stored.has.device)
         self.cache.commit(rows, torch.where(stored.has, stored.length - self.cache.committed[rows], 0))
-        if self.cfg.logit_shift:
-            index, _ = chunks.locate(rows, stored.length - 1)
-            self.carry.copy_(torch.where(stored.has[:, None], hidden[index], self.carry))
+        if self.cfg.logit_shift and hidden is not None:  # rows whose prefix was reused take the prefix's carry
+            index, inside = chunks.locate(rows, stored.length - 1)
+            self.carry.copy_(torch.where((stored.has & inside)[:, None], hidden[index], self.carry))
 
     def score(self, request: ScoreRequest, chunks: Chunks, hidden: torch.Tensor,
               hidden_uncond: torch.Tensor | None) -> Scores:

@@ -13,7 +13,7 @@ from ..config import BlockDiffusionConfig
 from ..profiles import model_profile
 from ..tensor_parallel import check_tensor_parallel
 from ..scheduler import DecodeState
-from .engine import engine_for, request_seeds
+from .engine import Results, engine_for, request_seeds
 from .inputs import check_lengths, prompts_of
 
 
@@ -48,6 +48,7 @@ def generate_multi_block(
     generator: torch.Generator | None = None,
     return_dict: bool = False,
     max_batch_size: int | None = None,
+    num_return_sequences: int = 1,
 ):
     """Block-diffusion decoding of `input_ids` (left-padded [B, P]); see `BlockDiffusionConfig`.
 
@@ -57,6 +58,11 @@ def generate_multi_block(
 
     At most `max_batch_size` prompts decode at once; finished ones are replaced by waiting ones (prompt
     streaming). Returns a LongTensor [B, P + max_new_tokens], or a `BlockDiffusionOutput` with `return_dict=True`.
+
+    `num_return_sequences=n` decodes every prompt n times (rows [B·n, ...], prompt-major, as transformers groups
+    them), each sample with its own seed; the samples of a prompt compute its prefix once and share its K/V pages
+    (block-causal modes; docs/design.md, "The cache"). The tokens are those of `input_ids.repeat_interleave(n, 0)`
+    with the same generator.
 
     PEFT: on a `PeftModel` (or a model with adapters from `load_adapter`) the active LoRA adapters are merged into
     the base weights for the call and the base weights are restored bit-exactly after it. `adapters=[name, ...]`
@@ -72,30 +78,39 @@ def generate_multi_block(
     check_lengths(self, prompts, cfg)
     if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
         raise ValueError(f"max_batch_size={max_batch_size!r}: pass a positive integer (or None for all prompts).")
+    samples = _check_samples(num_return_sequences, streamer)
     check_tensor_parallel(self)
     backend = resolve_backend(cfg.attention_backend, device, cfg.block_size, cfg.page_size)
     stream = _TokenStream(streamer, input_ids, cfg) if streamer is not None else None
+    groups = [group for group in range(len(prompts)) for _ in range(samples)]
+    prompts = [prompts[group] for group in groups]
     seeds = request_seeds(len(prompts), generator)
     was_training = self.training
     self.eval()
     try:
         engine = engine_for(self, cfg, prompts, max_batch_size, backend, device)
-        results = engine.generate(prompts, seeds, stream)
+        results = engine.generate(prompts, seeds, stream, groups)
     finally:
         self.train(was_training)
-    sequences = torch.cat([input_ids, results.tokens], dim=1)
-    if not return_dict:
-        return sequences
+    sequences = torch.cat([input_ids.repeat_interleave(samples, 0), results.tokens], dim=1)
+    return _output(sequences, results) if return_dict else sequences
+
+
+def _output(sequences: torch.Tensor, results: Results) -> BlockDiffusionOutput:
     return BlockDiffusionOutput(
-        sequences=sequences,
-        num_forwards=results.num_forwards,
+        sequences=sequences, num_forwards=results.num_forwards, steps=results.steps,
         tokens_per_forward=int(results.committed.sum()) / max(int(results.steps.sum()), 1),
-        steps=results.steps,
-        commit_step=results.commit_step,
-        logprobs=results.logprobs,
-        entropies=results.entropies,
-        edits=results.edits,
+        commit_step=results.commit_step, logprobs=results.logprobs, entropies=results.entropies, edits=results.edits,
     )
+
+
+def _check_samples(num_return_sequences, streamer) -> int:
+    if isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, int) or num_return_sequences < 1:
+        raise ValueError(f"num_return_sequences={num_return_sequences!r}: pass a positive integer (samples per "
+                         "prompt; 1 decodes each prompt once).")
+    if streamer is not None and num_return_sequences > 1:
+        raise ValueError("streamer follows one sequence: pass num_return_sequences=1 with a streamer.")
+    return num_return_sequences
 
 
 class _TokenStream:

@@ -20,6 +20,7 @@ import torch
 
 from ..scheduler import Decision, ForwardLayout, Scheduler, Stored
 from .executor import ModelExecutor
+from .pages import Admission
 
 
 class DecodeStep:
@@ -39,24 +40,45 @@ class DecodeStep:
             scheduler.apply(scheduler.decide(request, status, scores))
         scheduler.end_step()
 
-    def admit(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor) -> None:
-        """Load `prompts` into `slots`, prefill what precedes their first decode block, plan their first step."""
-        scheduler = self.scheduler
+    def admit(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor,
+              admissions: list[Admission]) -> None:
+        """Load `prompts` into `slots`, prefill what precedes their first decode block (once per shared prefix:
+        rows reusing one copy its tail page and carry), plan their first step."""
+        scheduler, executor = self.scheduler, self.executor
         scheduler.admit(slots, prompts, seeds)
-        self.executor.cache.reset_rows(slots)
-        prefill = scheduler.prefill_layout(slots, self.executor.backend.prefill_chunk(scheduler.chunk))
+        computed = torch.tensor([a.slot for a in admissions if not a.reuses], dtype=torch.long, device=slots.device)
+        prefill = scheduler.prefill_layout(slots, executor.backend.prefill_chunk(scheduler.chunk), computed)
         if prefill is not None:
             layout, stored = prefill
-            hidden, _ = self.executor.forward(layout)
-            self._store(layout, stored, hidden)
+            hidden = executor.forward(layout)[0] if layout is not None else None
+            executor.commit(stored, None if layout is None else layout.chunks, hidden)
+            self._share_prefixes(admissions)
+            self._first_token(stored)
         loaded = torch.zeros_like(scheduler.state.done)
         loaded[slots] = True
         scheduler.prepare(loaded)
+
+    def _share_prefixes(self, admissions: list[Admission]) -> None:
+        """New shared prefixes keep their computing row's carry; rows reusing one take its tail page and carry."""
+        executor = self.executor
+        for admission in admissions:
+            prefix = admission.prefix
+            if prefix is not None and not admission.reuses and self.scheduler.cfg.logit_shift:
+                prefix.carry = executor.carry[admission.slot].clone()
+        for admission in admissions:
+            if admission.copy is not None:
+                executor.cache.copy_page(*admission.copy)
+            if admission.reuses and admission.prefix.carry is not None:
+                executor.carry[admission.slot] = admission.prefix.carry
 
     def _store(self, layout: ForwardLayout, stored: Stored | None, hidden: torch.Tensor) -> None:
         if stored is None:
             return
         self.executor.commit(stored, layout.chunks, hidden)
+        self._first_token(stored)
+
+    def _first_token(self, stored: Stored) -> None:
+        """Fast-dLLM v2: the forward storing a block also decides the next block's first token."""
         if self.scheduler.policy.first_token_on_store:
             rows, position, open_ = self.scheduler.first_token_request(stored)
             token, logprob, entropy = self.executor.first_token_scores(rows, self.scheduler.context())

@@ -108,9 +108,11 @@ class Scheduler:
     def admit(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor) -> None:
         self.state.load(slots, prompts, seeds)
 
-    def prefill_layout(self, slots: torch.Tensor, chunk_size: int) -> tuple[ForwardLayout, Stored] | None:
-        """The forward that writes the prefix before the first decode block of `slots` into the cache, and what it
-        stores; None when the mode caches no prefix or the slots have none."""
+    def prefill_layout(self, slots: torch.Tensor, chunk_size: int, computed: torch.Tensor | None = None
+                       ) -> tuple[ForwardLayout | None, Stored] | None:
+        """The forward that writes the prefix before the first decode block of `slots` into the cache (only of the
+        slots in `computed` when given: the others reuse a prefix already there; None: no forward), and what the
+        slots then hold stored; None when the mode caches no prefix or the slots have none."""
         state = self.state
         if not self.policy.prefills:
             return None
@@ -119,9 +121,15 @@ class Scheduler:
         end = torch.where(chosen, state.first_block_start, 0)
         if not bool((end > 0).any()):
             return None
+        stored = Stored(end > 0, end, torch.zeros_like(end))
+        if computed is not None:
+            chosen.zero_()
+            chosen[computed] = True
+            end = torch.where(chosen, end, 0)
+            if not bool((end > 0).any()):
+                return None, stored
         state.count_forward(1)
-        layout = self._layout(plan_chunks(torch.zeros_like(end), end, chunk_size))
-        return layout, Stored(end > 0, end, torch.zeros_like(end))
+        return self._layout(plan_chunks(torch.zeros_like(end), end, chunk_size)), stored
 
     # -- one step ----------------------------------------------------------------------------------------------------
 
