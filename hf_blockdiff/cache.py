@@ -50,7 +50,7 @@ class PagePool:
 
     def __init__(self, num_pages: int):
         self.references = [0] * num_pages
-        self.free = list(range(num_pages - 1, SCRATCH_PAGE, -1))
+        self.free = set(range(SCRATCH_PAGE + 1, num_pages))
         self.peak = 0
 
     @property
@@ -66,14 +66,16 @@ class PagePool:
         return taken
 
     def hold(self, pages: list[int]) -> None:
+        """One more reference to each page (a free page is claimed: a prefix kept across a reset of the pool)."""
         for page in pages:
+            self.free.discard(page)
             self.references[page] += 1
 
     def drop(self, pages: list[int]) -> None:
         for page in pages:
             self.references[page] -= 1
             if self.references[page] == 0:
-                self.free.append(page)
+                self.free.add(page)
 
 
 class PagedBlockCache(Cache):
@@ -93,10 +95,12 @@ class PagedBlockCache(Cache):
         """Begin a call with `num_rows` rows of up to `row_capacity` tokens each and a pool of `pool_tokens` tokens
         (rounded up to pages); every row holds no page until `assign` gives it some."""
         pool = 1 + math.ceil(pool_tokens / self.page_size)
-        if pool > self.num_pages:
+        if pool > self.num_pages:  # a larger pool keeps what the pages hold (a prefix store's K/V)
+            for pools in (self.keys, self.values):
+                for layer, old in enumerate(pools):
+                    if old is not None:
+                        pools[layer] = torch.cat([old, old.new_zeros((pool - self.num_pages, *old.shape[1:]))])
             self.num_pages = pool
-            self.keys = [None] * self.num_layers
-            self.values = [None] * self.num_layers
         self.row_pages: list[list[int]] = [[] for _ in range(num_rows)]
         self.page_table = torch.zeros((num_rows, max(self.pages_for(row_capacity), 1)), dtype=torch.int32,
                                       device=device)

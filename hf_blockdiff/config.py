@@ -52,6 +52,10 @@ class BlockDiffusionConfig:
     page_size: tokens per KV-cache page. max_cache_tokens: KV-cache capacity in tokens (default: 80 % of the free GPU
     memory on CUDA, unbounded on CPU); it limits how many prompts decode at once. cuda_graphs: replay each decode
     step as a CUDA graph (None: on CUDA with the triton and flash_attn backends; True off CUDA runs the same fixed-shape step eagerly).
+    prefix_cache_tokens: opt-in reuse of prompt prefixes across calls: up to this many tokens of earlier prompts'
+    prefixes stay in the KV cache (units of lcm(page_size, block_size) tokens, least recently used evicted, emptied
+    when the weights change) and a prompt starting with the same tokens reads them instead of computing them.
+    Block-causal decoding with absolute blocks; 0: off (docs/design.md, "The cache").
     compile: run the decoder layers through torch.compile while decoding (inductor fuses norms, rotary embedding and
     the MLP activation; shapes are dynamic, so it compiles once per layer class). None: with CUDA graphs, unless the
     model is tensor-parallel. The first call pays the compilation (tens of seconds for a 4B model).
@@ -126,6 +130,7 @@ class BlockDiffusionConfig:
     forced_token_scope: str = "lowest_full_block"
     editing_threshold: float | None = None
     max_post_steps: int = 16
+    prefix_cache_tokens: int = 0
 
     def __post_init__(self) -> None:
         self._validate()
@@ -142,6 +147,9 @@ class BlockDiffusionConfig:
                 _fail(name, value, "pass a positive integer")
         if self.page_size & (self.page_size - 1):
             _fail("page_size", self.page_size, "pass a power of two (16, 32, 64, ...)")
+        tokens = self.prefix_cache_tokens
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            _fail("prefix_cache_tokens", tokens, "pass a number of tokens (0 turns the prefix store off)")
         if self.mask_token_id is not None and (not isinstance(self.mask_token_id, int) or self.mask_token_id < 0):
             _fail("mask_token_id", self.mask_token_id, "pass the non-negative id of the mask token")
         if self.strategy not in STRATEGIES:
@@ -243,6 +251,17 @@ class BlockDiffusionConfig:
     def strict_threshold(self) -> bool:
         return STRATEGIES[self.strategy].strict if self.threshold_strict is None else self.threshold_strict
 
+    def _check_prefix_store(self) -> None:
+        if not self.prefix_cache_tokens:
+            return
+        if self.attention != "block_causal" or self.alignment not in (None, "absolute"):
+            _fail("prefix_cache_tokens", self.prefix_cache_tokens, "prefixes are exact and reusable only under "
+                  "block-causal attention with absolute blocks: pass 0 for this mode")
+        unit = math.lcm(self.page_size, self.block_size)
+        if self.prefix_cache_tokens < unit:
+            _fail("prefix_cache_tokens", self.prefix_cache_tokens, f"it holds no unit of reuse (lcm(page_size, "
+                  f"block_size) = {unit} tokens): pass at least {unit}, or 0 to turn the store off")
+
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "BlockDiffusionConfig":
         """A config reproducing a reference decoder (see `hf_blockdiff.presets`); `overrides` win."""
@@ -289,6 +308,7 @@ class BlockDiffusionConfig:
             _fail("editing_threshold", cfg.editing_threshold, "editing refines the one active block of block-causal "
                   "decoding: it needs attention='block_causal', max_active_blocks=1 and fused_store=True, without "
                   "sub-blocks (or pass editing_threshold=None)")
+        cfg._check_prefix_store()
         if cfg.first_token_on_store and (cfg.fused_store or not cfg.logit_shift):
             _fail("first_token_on_store", True, "it needs fused_store=False and logit_shift=True (Fast-dLLM v2)")
         if cfg.alignment is None:

@@ -113,3 +113,18 @@ def test_bench_llada2_against_diffusers(capsys, editing):
 def test_bench_refuses_settings_its_reference_lacks(capsys, extra, message):
     assert main(["bench", *extra, "--device", "cpu", "--dtype", "float32", "--new-tokens", "8"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_rollouts_share_pages(capsys):
+    """--num-return-sequences: the shared rollouts hold fewer KV pages than the same rows as repeated prompts; with
+    --shared-prefix every prompt starts with the same tokens and reads them from the prefix store."""
+    code = main(["bench", "--shape", "tiny", "--batch-size", "2", "--prompt-len", "72", "--new-tokens", "8",
+                 "--device", "cpu", "--dtype", "float32", "--num-return-sequences", "4", "--shared-prefix", "64",
+                 "--temperature", "1.0", "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    shared, repeated = report["results"]
+    assert code == 0 and (shared["name"], repeated["name"]) == ("shared K/V", "repeated prompts")
+    assert shared["tokens"] == repeated["tokens"] == 2 * 4 * 8
+    # pages of 64: a canvas of 80 takes 2. Shared: the store's page of the common 64 tokens, and one page per sample
+    # (the leader's holds tokens 64-72 of its prompt, the others' a copy of it)
+    assert report["kv_ratio"] == pytest.approx((1 + 2 * 4) / (2 * 4 * 2), abs=1e-3)

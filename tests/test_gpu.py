@@ -47,20 +47,24 @@ def test_triton_graphs_and_compile_equal_eager_sdpa_fp32(mode):
     assert eager.num_forwards == graphs.num_forwards
 
 
-@pytest.mark.parametrize("max_batch_size", [None, 5])
-def test_shared_prefix_samples_under_graphs_equal_repeated_prompts(max_batch_size):
-    """num_return_sequences under CUDA graphs (pages change between captured steps), streamed or not."""
+@pytest.mark.parametrize("max_batch_size, store", [(None, 0), (5, 0), (5, 64)])
+def test_shared_prefix_samples_under_graphs_equal_repeated_prompts(max_batch_size, store):
+    """num_return_sequences under CUDA graphs (pages change between captured steps), streamed or not, with the
+    prefix store filled by a first call or without it."""
     model = tiny_model("qwen3").to(CUDA)
     ids, mask = left_pad(random_prompts((13, 22, 9), seed=33))
     cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=16, threshold=0.6, eos_token_id=[],
-                               attention="block_causal", temperature=1.0, page_size=8, cuda_graphs=True)
+                               attention="block_causal", temperature=1.0, page_size=8, cuda_graphs=True,
+                               prefix_cache_tokens=store)
     def run(ids, mask, **kwargs):
         return model.generate_multi_block(ids.to(CUDA), cfg, attention_mask=mask.to(CUDA), return_dict=True,
                                           max_batch_size=max_batch_size, generator=torch.Generator().manual_seed(5),
                                           **kwargs)
 
-    shared = run(ids, mask, num_return_sequences=4)
+    shared = [run(ids, mask, num_return_sequences=4) for _ in range(2)]  # the second reads the store if on
     plain = run(ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0))
+    assert torch.equal(shared[0].sequences, shared[1].sequences)
+    shared = shared[1]
     assert torch.equal(shared.sequences, plain.sequences)
 
 

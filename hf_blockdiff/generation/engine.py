@@ -22,6 +22,7 @@ from .executor import ModelExecutor
 from .fusion import fusion_for
 from .graphs import StepGraphs
 from .pages import PageAssigner
+from .prefix_store import PrefixStore, weights_fingerprint
 from .step import DecodeStep
 
 
@@ -73,16 +74,23 @@ class Engine:
     """A scheduler and a model executor for a fixed number of slots and canvas width, and the step joining them."""
 
     def __init__(self, model, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int,
-                 backend: AttentionBackend, device: torch.device):
+                 backend: AttentionBackend, device: torch.device, previous: "Engine | None" = None):
+        """`previous`: the model's engine before this one; its prefix store (and the cache holding it) carries over
+        when the store's unit is unchanged."""
         self.cfg, self.backend = cfg, backend
+        store = _kept_store(previous, cfg)
         self.scheduler = Scheduler(cfg, slots, width, max_blocks, device)
         self.state = self.scheduler.state
         graphs = use_graphs(cfg, backend, device)
         fusion = fusion_for(cfg, backend, graphs, device, model)
-        self.executor = ModelExecutor(model, cfg, backend, fusion, slots, width, device)
+        self.executor = ModelExecutor(model, cfg, backend, fusion, slots, width, device,
+                                      None if store is None else store.cache)
         self.decode_step = DecodeStep(self.scheduler, self.executor)
         guided = cfg.cfg_scale > 0  # the unconditional canvases mask the prompt: their prefix differs
-        self.pages = PageAssigner(self.executor.cache, slots, guided, share=self.scheduler.policy.prefills and not guided)
+        if store is None and cfg.prefix_cache_tokens:
+            store = PrefixStore(self.executor.cache, cfg.block_size, cfg.prefix_cache_tokens)
+        self.pages = PageAssigner(self.executor.cache, slots, guided, self.scheduler.policy.prefills and not guided,
+                                  store, cfg.logit_shift)
         self.step = StepGraphs(self.decode_step, capture=device.type == "cuda").step if graphs else self.decode_step
 
     @property
@@ -115,7 +123,7 @@ class Engine:
         requests = _Requests(prompts, seeds, list(range(len(prompts))) if groups is None else groups, first.tolist(),
                              row_end.tolist())
         self.scheduler.start_call()
-        self.pages.start_call()
+        self.pages.start_call(weights_fingerprint(self.executor.model) if cfg.prefix_cache_tokens else None)
         with _Progress(len(prompts), new) as progress:
             self._admit(list(range(state.num_rows)), queue, owner, requests)
             for _ in range(step_bound([len(p) for p in prompts], cfg)):
@@ -150,7 +158,7 @@ class Engine:
                 break
             request = queue[0]
             admission = self.pages.admit(slot, request, requests.groups[request], requests.row_end[request],
-                                         requests.prefix[request])
+                                         requests.prompts[request], requests.prefix[request])
             if admission is None:
                 break
             admissions.append(admission)
@@ -159,7 +167,9 @@ class Engine:
             return
         index = torch.tensor([a.slot for a in admissions], device=self.state.canvas.device)
         taken = [a.request for a in admissions]
-        self.decode_step.admit(index, [requests.prompts[r] for r in taken], requests.seeds[taken], admissions)
+        prompts = [requests.prompts[r] for r in taken]
+        self.decode_step.admit(index, prompts, requests.seeds[taken], admissions)
+        self.pages.remember(admissions, prompts, [requests.prefix[r] for r in taken])
 
     def _harvest(self, slot: int, request: int, results: Results, stops: tuple[torch.Tensor, torch.Tensor]) -> None:
         state, cfg = self.state, self.cfg
@@ -178,6 +188,16 @@ class Engine:
         results.steps[request] = state.draws[slot]
         results.committed[request] = (state.commit_step[slot, : state.width] >= 0).sum()
         results.edits[request] = state.edits[slot]
+
+
+def _kept_store(previous: Engine | None, cfg: BlockDiffusionConfig) -> PrefixStore | None:
+    """The previous engine's prefix store, resized, if this config stores prefixes in units of the same size."""
+    store = None if previous is None else previous.pages.store
+    if store is None or not cfg.prefix_cache_tokens or (previous.cfg.page_size, previous.cfg.block_size) != (
+            cfg.page_size, cfg.block_size):
+        return None
+    store.resize(cfg.prefix_cache_tokens)
+    return store
 
 
 @dataclass
@@ -244,15 +264,16 @@ def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], ma
         budget = int(0.8 * free) // kv_bytes_per_token(model)
     if budget is not None:
         pages_per_slot = math.ceil(width / cfg.page_size) * cfg.page_size * (2 if cfg.cfg_scale > 0 else 1)
-        if pages_per_slot > budget:
+        if pages_per_slot + cfg.prefix_cache_tokens > budget:
+            stored = f" beside the {cfg.prefix_cache_tokens} of prefix_cache_tokens" if cfg.prefix_cache_tokens else ""
             raise ValueError(
-                f"One prompt needs {pages_per_slot} KV-cache tokens but the cache holds {budget}: lower max_new_tokens, "
-                f"shorten the prompt or raise max_cache_tokens."
+                f"One prompt needs {pages_per_slot} KV-cache tokens{stored} but the cache holds {budget}: lower "
+                "max_new_tokens or prefix_cache_tokens, shorten the prompt or raise max_cache_tokens."
             )
-        slots = min(slots, budget // pages_per_slot)
+        slots = min(slots, (budget - cfg.prefix_cache_tokens) // pages_per_slot)
     engine = getattr(model, "_blockdiff_engine", None)
     if engine is None or not engine.fits(cfg, slots, width, max_blocks, backend):
         model._blockdiff_engine = None  # let the old buffers go before allocating new ones
-        engine = Engine(model, cfg, slots, width, max_blocks, backend, device)
+        engine = Engine(model, cfg, slots, width, max_blocks, backend, device, previous=engine)
         model._blockdiff_engine = engine
     return engine

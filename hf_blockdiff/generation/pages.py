@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import PagedBlockCache
+from .prefix_store import PrefixStore
 
 
 @dataclass
@@ -36,55 +37,86 @@ class SharedPrefix:
 class Admission:
     """An admitted prompt's prefix: `prefix` is its group's (None: not shared); `reuses` says the prefix was computed
     before (then the row's own first page takes a copy of the prefix's tail page: `copy`, (source, target) or None);
-    otherwise this row's prefill computes it."""
+    otherwise this row's prefill computes it from `start` on (the tokens before came from the prefix store)."""
 
     slot: int
     request: int
     prefix: SharedPrefix | None = None
     reuses: bool = False
     copy: tuple[int, int] | None = None
+    start: int = 0
 
 
 class PageAssigner:
-    """Pages for the rows of one engine: `admit` before a prompt enters a slot, `release` when it leaves."""
+    """Pages for the rows of one engine: `admit` before a prompt enters a slot, `release` when it leaves; `store`
+    keeps prompt prefixes across calls (None: off); `logit_shift` keeps the last prefix token computed (its hidden
+    state predicts the next token, and the store keeps none)."""
 
-    def __init__(self, cache: PagedBlockCache, rows: int, guided: bool, share: bool):
+    def __init__(self, cache: PagedBlockCache, rows: int, guided: bool, share: bool, store: PrefixStore | None = None,
+                 logit_shift: bool = False):
         self.cache, self.rows, self.guided, self.share = cache, rows, guided, share
+        self.store, self.logit_shift = store, logit_shift
         self.prefixes: dict[int, SharedPrefix] = {}  # group -> its prefix in the cache
         self.held: dict[int, int] = {}  # slot -> group whose prefix it holds
 
-    def start_call(self) -> None:
-        """A new call: every page free (a call that raised may have left rows and prefixes holding some)."""
+    def start_call(self, fingerprint=None) -> None:
+        """A new call: every page free but the store's (a call that raised may have left rows and prefixes holding
+        some); the store empties if the weights changed since it was filled."""
         self.cache.reset_pages()
         self.prefixes.clear()
         self.held.clear()
+        if self.store is not None:
+            self.store.start_call(fingerprint)
 
-    def admit(self, slot: int, request: int, group: int, row_end: int, prefix_length: int) -> Admission | None:
-        """Pages for `request` in `slot` (its group's prefix reused when there is one), or None when the pool has too
-        few free pages (the request waits for a slot to finish)."""
+    def admit(self, slot: int, request: int, group: int, row_end: int, prompt: torch.Tensor,
+              prefix_length: int) -> Admission | None:
+        """Pages for `request` in `slot` (its group's prefix, or the store's longest match, reused), or None when the
+        pool has too few free pages even with the store emptied (the request waits for a slot to finish)."""
         cache, share = self.cache, self.share and prefix_length > 0
         shared = self.prefixes.get(group) if share else None
-        count = cache.pages_for(row_end) - (len(shared.pages) if shared is not None else 0)
-        own = cache.pages.take(count * (2 if self.guided else 1))
+        stored = []
+        if shared is None and self.store is not None:
+            stored = self.store.lookup(prompt, prefix_length - int(self.logit_shift))
+        first = shared.pages if shared is not None else stored
+        count = cache.pages_for(row_end) - len(first)
+        own = self._take(count * (2 if self.guided else 1))
         if own is None:
+            cache.pages.drop(stored)
             return None
-        admission = Admission(slot, request, shared, reuses=shared is not None)
+        admission = Admission(slot, request, shared, reuses=shared is not None, start=len(stored) * cache.page_size)
+        cache.assign(slot, first + own[:count])
+        cache.pages.drop(stored)  # the row holds them now
         if shared is not None:
-            cache.assign(slot, shared.pages + own[:count])
             admission.copy = None if shared.tail is None else (shared.tail, own[0])
-        else:
-            cache.assign(slot, own[:count])
-            if share:
-                full, rest = divmod(prefix_length, cache.page_size)
-                admission.prefix = SharedPrefix(prefix_length, own[:full], own[full] if rest else None)
-                cache.pages.hold(admission.prefix.references)
-                self.prefixes[group] = admission.prefix
+        elif share:
+            admission.prefix = self._new_prefix(group, cache.row_pages[slot], prefix_length)
         if self.guided:
             cache.assign(slot + self.rows, own[count:])
         if admission.prefix is not None:
             admission.prefix.holders += 1
             self.held[slot] = group
         return admission
+
+    def _take(self, count: int) -> list[int] | None:
+        pages = self.cache.pages.take(count)
+        while pages is None and self.store is not None and self.store.evict():
+            pages = self.cache.pages.take(count)
+        return pages
+
+    def _new_prefix(self, group: int, pages: list[int], length: int) -> SharedPrefix:
+        full, rest = divmod(length, self.cache.page_size)
+        prefix = SharedPrefix(length, pages[:full], pages[full] if rest else None)
+        self.cache.pages.hold(prefix.references)
+        self.prefixes[group] = prefix
+        return prefix
+
+    def remember(self, admissions: list[Admission], prompts: list[torch.Tensor], prefix_lengths: list[int]) -> None:
+        """After the prefill: the prefixes it computed go into the store."""
+        if self.store is None:
+            return
+        for admission, prompt, length in zip(admissions, prompts, prefix_lengths):
+            if not admission.reuses:
+                self.store.insert(prompt, self.cache.row_pages[admission.slot], length)
 
     def release(self, slot: int) -> None:
         """`slot`'s prompt finished: its pages go back, and its group's prefix with the group's last holder."""

@@ -47,7 +47,9 @@ class DecodeStep:
         scheduler, executor = self.scheduler, self.executor
         scheduler.admit(slots, prompts, seeds)
         computed = torch.tensor([a.slot for a in admissions if not a.reuses], dtype=torch.long, device=slots.device)
-        prefill = scheduler.prefill_layout(slots, executor.backend.prefill_chunk(scheduler.chunk), computed)
+        start = torch.zeros_like(scheduler.state.first_block_start)
+        start[slots] = torch.tensor([a.start for a in admissions], dtype=start.dtype, device=start.device)
+        prefill = scheduler.prefill_layout(slots, executor.backend.prefill_chunk(scheduler.chunk), computed, start)
         if prefill is not None:
             layout, stored = prefill
             hidden = executor.forward(layout)[0] if layout is not None else None

@@ -108,11 +108,12 @@ class Scheduler:
     def admit(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor) -> None:
         self.state.load(slots, prompts, seeds)
 
-    def prefill_layout(self, slots: torch.Tensor, chunk_size: int, computed: torch.Tensor | None = None
-                       ) -> tuple[ForwardLayout | None, Stored] | None:
+    def prefill_layout(self, slots: torch.Tensor, chunk_size: int, computed: torch.Tensor | None = None,
+                       start: torch.Tensor | None = None) -> tuple[ForwardLayout | None, Stored] | None:
         """The forward that writes the prefix before the first decode block of `slots` into the cache (only of the
-        slots in `computed` when given: the others reuse a prefix already there; None: no forward), and what the
-        slots then hold stored; None when the mode caches no prefix or the slots have none."""
+        slots in `computed` when given, the others reuse a prefix already there; from `start` [R] on where given:
+        the cache holds what precedes it), and what the slots then hold stored; None when the mode caches no prefix
+        or the slots have none; the layout is None when nothing is left to compute."""
         state = self.state
         if not self.policy.prefills:
             return None
@@ -126,10 +127,11 @@ class Scheduler:
             chosen.zero_()
             chosen[computed] = True
             end = torch.where(chosen, end, 0)
-            if not bool((end > 0).any()):
-                return None, stored
+        begin = torch.zeros_like(end) if start is None else torch.minimum(start, end)
+        if not bool((end > begin).any()):
+            return None, stored
         state.count_forward(1)
-        return self._layout(plan_chunks(torch.zeros_like(end), end, chunk_size)), stored
+        return self._layout(plan_chunks(begin, end, chunk_size)), stored
 
     # -- one step ----------------------------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from ..patching import free_cache
 from ..profiles import model_profile
 from ..strategies import strategy_names
 from .diffusers_reference import llada2_pipeline
+from .rollout_bench import kv_peak, rollout_runs, with_shared_prefix
 
 SHAPES = {  # architecture sizes of released checkpoints (random weights; nothing is downloaded)
     "tiny": dict(model_type="sdar", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -167,9 +168,9 @@ def diffusers_llada2(model, prompts: torch.Tensor, cfg: BlockDiffusionConfig) ->
 
 def _llada2_settings(args, mask_id: int):
     """The llada2 / llada2_1 preset under the bench's sizes, and diffusers' pipeline as the reference."""
-    if args.strategy or args.max_active_blocks != 1:
+    if args.strategy or args.max_active_blocks != 1 or args.temperature:
         raise ValueError("LLaDA2 models are benchmarked with the llada2 preset against diffusers' LLaDA2Pipeline, "
-                         "which has one rule: drop --strategy and --max-active-blocks.")
+                         "which has one rule, greedy: drop --strategy, --max-active-blocks and --temperature.")
     editing = {} if args.editing_threshold is None else {"editing_threshold": args.editing_threshold}
     sizes = {key: value for key, value in (("block_size", args.block_size), ("steps_per_block", args.steps_per_block),
                                            ("threshold", args.threshold)) if value is not None}
@@ -192,6 +193,7 @@ def _settings(args, model, mask_id: int):
     cfg = BlockDiffusionConfig(
         mask_token_id=mask_id, block_size=block_size, steps_per_block=args.steps_per_block or block_size,
         max_new_tokens=args.new_tokens, strategy=args.strategy or "low_confidence_static", threshold=args.threshold,
+        temperature=args.temperature,
         max_active_blocks=args.max_active_blocks, block_add_threshold=args.block_add_threshold,
         decoded_token_threshold=args.decoded_token_threshold, eos_token_id=[], attention_backend=args.attention_backend,
         attention="bidirectional" if bidirectional else "block_causal",
@@ -211,6 +213,8 @@ def bench(args) -> dict:
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, min(vocab, mask_id) - 1, (args.batch_size, args.prompt_len), generator=generator)
     prompts, tokens = prompts.to(device), args.batch_size * args.new_tokens
+    if args.num_return_sequences > 1 or args.shared_prefix:
+        return _rollout_report(args, model, cfg, prompts)
     results = []
 
     def ours():
@@ -237,13 +241,36 @@ def bench(args) -> dict:
     return report
 
 
+def _rollout_report(args, model, cfg: BlockDiffusionConfig, prompts: torch.Tensor) -> dict:
+    """Shared rollouts against repeated prompts (tools/rollout_bench.py), each timed on its second call."""
+    if not 0 <= args.shared_prefix <= args.prompt_len:
+        raise ValueError(f"--shared-prefix {args.shared_prefix}: pass a length in [0, --prompt-len].")
+    prompts = with_shared_prefix(prompts, args.shared_prefix)
+    rows = args.batch_size * args.num_return_sequences
+    results, memory = [], []
+    for name, run in rollout_runs(args, model, cfg, prompts):
+        run()  # the first call fills the prefix store, compiles and captures graphs
+        results.append(_measure(name, run, args.device, rows * args.new_tokens, rows))
+        memory.append(kv_peak(model))
+        free_cache(model)
+    return {
+        "settings": {key: value for key, value in vars(args).items() if key not in ("run", "json")},
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "results": [dict(m.row(), **kv) for m, kv in zip(results, memory)],
+        "speedup": round(results[0].tok_s / results[1].tok_s, 2),
+        "kv_ratio": round(memory[0]["kv_peak_pages"] / memory[1]["kv_peak_pages"], 3),
+    }
+
+
 def print_report(report: dict) -> None:
     print(f"device: {report['device']}   settings: {json.dumps(report['settings'])}")
     print(f"{'run':<22}{'tok/s':>12}{'ms/forward':>12}{'NFE':>8}{'TPF':>8}{'peak GiB':>10}")
     for row in report["results"]:
         print(f"{row['name']:<22}{row['tok_s']:>12.1f}{row['ms_per_forward']:>12.2f}{row['forwards']:>8}"
               f"{row['tokens_per_forward']:>8.2f}{row['peak_gib']:>10.2f}")
-    if "speedup" in report:
+    if "kv_ratio" in report:
+        print(f"speedup: {report['speedup']}x   peak KV GiB: {[row['kv_peak_gib'] for row in report['results']]}")
+    elif "speedup" in report:
         print(f"speedup: {report['speedup']}x   first-call overhead (graph capture, warm-up): "
               f"{report['first_call_overhead_s']} s")
 
@@ -284,6 +311,14 @@ def add_parser(commands) -> None:
                         "schedule; LLaDA2: the llada2 preset's rule, as diffusers)")
     parser.add_argument("--threshold", type=float, default=None,
                         help="τ of the threshold strategies (default: the strategy's own)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of hf_blockdiff (default: %(default)s, greedy)")
+    parser.add_argument("--num-return-sequences", type=int, default=1,
+                        help="samples per prompt: rollouts sharing their prompt's K/V against the same rows as "
+                        "repeated prompts (no reference loop; default: %(default)s)")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens every prompt starts with (a system prompt), read from the prefix store after "
+                        "the first call; with --num-return-sequences (default: %(default)s)")
     parser.add_argument("--editing-threshold", type=float, default=None,
                         help="LLaDA2 only: decode with the llada2_1 preset (editing) at this threshold, and diffusers "
                         "with the same (default: editing off, the llada2 preset)")
