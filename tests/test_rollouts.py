@@ -97,3 +97,17 @@ def test_streamer_needs_one_sequence(model):
     with pytest.raises(ValueError, match="num_return_sequences=1"):
         model.generate_multi_block(torch.tensor([[5, 6, 7]]), BlockDiffusionConfig(**BASE), streamer=Streamer(),
                                    num_return_sequences=2)
+
+
+def test_sharing_fits_more_samples_in_the_same_budget(model):
+    """Under `max_cache_tokens` a slot counts its canvas and a page (64 tokens here) less the shared prefix pages'
+    (n-1)/n (30 of the shortest prefix's 40): 256 tokens hold 4 unshared slots, 7 sharing ones; same tokens."""
+    ids, mask = left_pad(random_prompts((41, 45), seed=8))
+    cfg = BlockDiffusionConfig(**BASE, temperature=1.0, threshold=0.6, max_cache_tokens=256)
+    seeded = dict(attention_mask=mask, generator=torch.Generator().manual_seed(2))
+    shared = model.generate_multi_block(ids, cfg, num_return_sequences=4, **seeded)
+    assert model._blockdiff_engine.state.num_rows == 7
+    seeded = dict(attention_mask=mask.repeat_interleave(4, 0), generator=torch.Generator().manual_seed(2))
+    plain = model.generate_multi_block(ids.repeat_interleave(4, 0), cfg, **seeded)
+    assert model._blockdiff_engine.state.num_rows == 4
+    assert torch.equal(shared, plain)

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from ..attention import AttentionBackend
 from ..config import BlockDiffusionConfig
 from ..kernels.rng import fmix32
-from ..scheduler import Scheduler, geometry
+from ..scheduler import Scheduler, geometry, window_policy
 from .executor import ModelExecutor
 from .fusion import fusion_for
 from .graphs import StepGraphs
@@ -74,7 +74,8 @@ class Engine:
     """A scheduler and a model executor for a fixed number of slots and canvas width, and the step joining them."""
 
     def __init__(self, model, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int,
-                 backend: AttentionBackend, device: torch.device, previous: "Engine | None" = None):
+                 backend: AttentionBackend, device: torch.device, pool_tokens: int,
+                 previous: "Engine | None" = None):
         """`previous`: the model's engine before this one; its prefix store (and the cache holding it) carries over
         when the store's unit is unchanged."""
         self.cfg, self.backend = cfg, backend
@@ -83,7 +84,7 @@ class Engine:
         self.state = self.scheduler.state
         graphs = use_graphs(cfg, backend, device)
         fusion = fusion_for(cfg, backend, graphs, device, model)
-        self.executor = ModelExecutor(model, cfg, backend, fusion, slots, width, device,
+        self.executor = ModelExecutor(model, cfg, backend, fusion, slots, width, device, pool_tokens,
                                       None if store is None else store.cache)
         self.decode_step = DecodeStep(self.scheduler, self.executor)
         guided = cfg.cfg_scale > 0  # the unconditional canvases mask the prompt: their prefix differs
@@ -254,26 +255,41 @@ def _check_finite(nonfinite: list[int], owner: list[int]) -> None:
 
 
 def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], max_batch_size: int | None,
-               backend: AttentionBackend, device: torch.device) -> Engine:
+               backend: AttentionBackend, device: torch.device, samples: int = 1) -> Engine:
     """The model's cached engine if it fits this call, else a new one (sized to the KV-cache budget)."""
     width, max_blocks = plan_shapes([len(p) for p in prompts], cfg)
-    slots = min(len(prompts), max_batch_size or len(prompts))
+    engine = getattr(model, "_blockdiff_engine", None)
+    slots, pool_tokens = _cache_plan(model, cfg, prompts, width, min(len(prompts), max_batch_size or len(prompts)),
+                                     samples, engine, device)
+    if engine is None or not engine.fits(cfg, slots, width, max_blocks, backend):
+        model._blockdiff_engine = None  # let the old buffers go before allocating new ones
+        engine = Engine(model, cfg, slots, width, max_blocks, backend, device, pool_tokens, previous=engine)
+        model._blockdiff_engine = engine
+    return engine
+
+
+def _cache_plan(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], width: int, slots: int, samples: int,
+                engine: Engine | None, device: torch.device) -> tuple[int, int]:
+    """(slots, pool tokens) under the KV-cache budget (docs/design.md, "The cache"): every slot a canvas of `width`
+    (twice with guidance), less the prefix pages the samples of a prompt share, plus a tail page per slot and the
+    prefix store; the pool never exceeds the budget (prompts short of pages wait)."""
+    page, guided = cfg.page_size, cfg.cfg_scale > 0
+    canvas = math.ceil(width / page) * page * (2 if guided else 1)
+    wanted = slots * (canvas + page) + cfg.prefix_cache_tokens
     budget = cfg.max_cache_tokens
     if budget is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(0.8 * free) // kv_bytes_per_token(model)
-    if budget is not None:
-        pages_per_slot = math.ceil(width / cfg.page_size) * cfg.page_size * (2 if cfg.cfg_scale > 0 else 1)
-        if pages_per_slot + cfg.prefix_cache_tokens > budget:
-            stored = f" beside the {cfg.prefix_cache_tokens} of prefix_cache_tokens" if cfg.prefix_cache_tokens else ""
-            raise ValueError(
-                f"One prompt needs {pages_per_slot} KV-cache tokens{stored} but the cache holds {budget}: lower "
-                "max_new_tokens or prefix_cache_tokens, shorten the prompt or raise max_cache_tokens."
-            )
-        slots = min(slots, (budget - cfg.prefix_cache_tokens) // pages_per_slot)
-    engine = getattr(model, "_blockdiff_engine", None)
-    if engine is None or not engine.fits(cfg, slots, width, max_blocks, backend):
-        model._blockdiff_engine = None  # let the old buffers go before allocating new ones
-        engine = Engine(model, cfg, slots, width, max_blocks, backend, device, previous=engine)
-        model._blockdiff_engine = engine
-    return engine
+        held = 0 if engine is None else engine.cache.num_pages * page * kv_bytes_per_token(model)
+        budget = int(0.8 * (free + held)) // kv_bytes_per_token(model)
+    if budget is None:
+        return slots, wanted
+    if canvas + cfg.prefix_cache_tokens > budget:
+        stored = f" beside the {cfg.prefix_cache_tokens} of prefix_cache_tokens" if cfg.prefix_cache_tokens else ""
+        raise ValueError(f"One prompt needs {canvas} KV-cache tokens{stored} but the cache holds {budget}: lower "
+                         "max_new_tokens or prefix_cache_tokens, shorten the prompt or raise max_cache_tokens.")
+    shared = 0
+    if samples > 1 and not guided and window_policy(cfg).prefills:
+        first, _, _ = geometry(torch.tensor([len(p) for p in prompts]), cfg)
+        shared = int(first.min()) // page * page * (samples - 1) // samples  # per slot, on average
+    slots = min(slots, max(1, (budget - cfg.prefix_cache_tokens) // (canvas + page - shared)))
+    return slots, min(budget, slots * (canvas + page) + cfg.prefix_cache_tokens)

@@ -20,19 +20,16 @@ from .fusion import decoding_mode
 
 class ModelExecutor:
     def __init__(self, model, cfg: BlockDiffusionConfig, backend: AttentionBackend, fusion: str, rows: int,
-                 width: int, device: torch.device, cache: PagedBlockCache | None = None):
-        """`cache`: a cache to keep (it holds the previous engine's prefix store); its pool grows as needed."""
+                 width: int, device: torch.device, pool_tokens: int, cache: PagedBlockCache | None = None):
+        """`pool_tokens`: the KV pages' capacity; `cache`: a cache to keep (it holds the previous engine's prefix
+        store), its pool grown as needed."""
         self.model, self.cfg, self.backend, self.fusion = model, cfg, backend, fusion
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         self.lm_head = model.get_output_embeddings()
         self.num_rows, self.guided = rows, cfg.cfg_scale > 0
         layers = model.config.get_text_config().num_hidden_layers
         self.cache = cache if cache is not None else PagedBlockCache(layers, cfg.page_size)
-        cache_rows = 2 * rows if self.guided else rows
-        # every row's canvas, a page per row for the tail of a shared prefix whose first sample has finished, and
-        # the prefix store
-        pages = cache_rows * self.cache.pages_for(width) + rows + self.cache.pages_for(cfg.prefix_cache_tokens)
-        self.cache.start(cache_rows, width, pages * cfg.page_size, device)
+        self.cache.start(2 * rows if self.guided else rows, width, pool_tokens, device)
         hidden = model.config.get_text_config().hidden_size
         # logit shift: the hidden state before a slot's first undecided position, kept from the forward that stored it
         self.carry = torch.zeros(rows, hidden, dtype=self.lm_head.weight.dtype, device=device)

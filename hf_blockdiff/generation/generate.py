@@ -88,7 +88,7 @@ def generate_multi_block(
     was_training = self.training
     self.eval()
     try:
-        engine = engine_for(self, cfg, prompts, max_batch_size, backend, device)
+        engine = engine_for(self, cfg, prompts, max_batch_size, backend, device, samples)
         results = engine.generate(prompts, seeds, stream, groups)
     finally:
         self.train(was_training)
