@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind the README tables, in one go:
-# `benchmarks/gpu_run.sh [tests|kernels|main|extra|flash|llada2]` (llada2 needs diffusers installed).
+# `benchmarks/gpu_run.sh [tests|kernels|main|quick|extra|flash|llada2|rollouts]` (llada2 needs diffusers installed).
 # Runs from the repository root on a CUDA machine with torch, transformers, triton installed; writes logs to $OUT.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -32,6 +32,13 @@ for part in "${parts[@]}"; do
         --decoded-token-threshold 0.5 --strategy entropy_threshold --threshold 1.0 --skip-reference; done
       python3 -m hf_blockdiff.cli bench --shape llada-8b --batch-size 8 --prompt-len 256 --new-tokens 128 --block-size 32 \
         --steps-per-block 32 --json | tail -1 | tee -a "$OUT/bench.jsonl" ;;
+    quick)  # the main shapes without the (slow) reference loop
+      bench --batch-size 1 --new-tokens 1024 --skip-reference
+      bench --batch-size 128 --new-tokens 1024 --skip-reference ;;
+    rollouts)  # RL rollouts: 64 prompts x 8 samples at T = 1, shared K/V against repeated prompts
+      bench --batch-size 64 --num-return-sequences 8 --prompt-len 1024 --new-tokens 256 --temperature 1.0
+      bench --batch-size 64 --num-return-sequences 8 --prompt-len 1024 --new-tokens 256 --temperature 1.0 \
+        --shared-prefix 768 ;;
     llada2)  # LLaDA2.0-mini shapes (16B-A1B, random weights) against diffusers' LLaDA2Pipeline: block 32, 256 new
       for b in 1 32; do for editing in "" "--editing-threshold 0.5"; do
         # shellcheck disable=SC2086
