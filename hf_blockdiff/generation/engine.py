@@ -259,8 +259,10 @@ def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], ma
     """The model's cached engine if it fits this call, else a new one (sized to the KV-cache budget)."""
     width, max_blocks = plan_shapes([len(p) for p in prompts], cfg)
     engine = getattr(model, "_blockdiff_engine", None)
-    slots, pool_tokens = _cache_plan(model, cfg, prompts, width, min(len(prompts), max_batch_size or len(prompts)),
-                                     samples, engine, device)
+    wanted = min(len(prompts), max_batch_size or len(prompts))
+    slots, pool_tokens = _cache_plan(model, cfg, prompts, width, wanted, samples, engine, device)
+    if cfg.max_cache_tokens is None and engine is not None and slots < engine.state.num_rows <= wanted:
+        slots = engine.state.num_rows  # already allocated: a budget measured now misses what its buffers hold
     if engine is None or not engine.fits(cfg, slots, width, max_blocks, backend):
         model._blockdiff_engine = None  # let the old buffers go before allocating new ones
         engine = Engine(model, cfg, slots, width, max_blocks, backend, device, pool_tokens, previous=engine)
