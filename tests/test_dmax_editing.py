@@ -1,5 +1,5 @@
 """The `diffulex_edit` preset (editing with Diffulex's remasking, stability threshold, T2T edit penalty and step cap)
-token for token against a NumPy twin of the rule (docs/design.md, "The decode loop", editing), and its bad inputs.
+token for token against a NumPy twin of the rule (docs/design.md, "The decode loop"), and its bad inputs.
 
 The twin decodes one prompt at a time and recomputes the window (prompt and blocks up to the active one) with the
 stock model and a block-causal 4-D mask every step; only the logits come from torch, every rule is plain NumPy.
@@ -39,9 +39,9 @@ class Twin:
     def __init__(self, model, settings, stop_ids=()):
         self.model, self.stop_ids = model, set(stop_ids)
         s = {**DEFAULTS, **settings}
-        self.B, self.S, self.tau, self.eps = s["block_size"], s["steps_per_block"], s["threshold"], s["editing_threshold"]
-        self.rho, self.sigma, self.lam, self.max_post = (s["remask_threshold"], s["stability_threshold"],
-                                                         s["edit_penalty"], s["max_post_steps"])
+        self.B, self.S, self.tau = s["block_size"], s["steps_per_block"], s["threshold"]
+        self.eps, self.rho, self.sigma = s["editing_threshold"], s["remask_threshold"], s["stability_threshold"]
+        self.lam, self.max_post = s["edit_penalty"], s["max_post_steps"]
         self.fired = Counter()
 
     def scores(self, x, p, lo, hi):

@@ -206,7 +206,7 @@ class SubBlocks(StoreForward):
 
 
 class Editing(BlockCausal):
-    """Editable decoding (docs/design.md, "The decode loop", editing): LLaDA2.1 as diffusers' BlockRefinementScheduler
+    """Editable decoding (docs/design.md, "The decode loop"): LLaDA2.1 as diffusers' BlockRefinementScheduler
     and LLaDA2Pipeline define it, and Diffulex's edit/DMax rules as parameters (remasking, stability, the step cap;
     their defaults give LLaDA2.1). Every step the active block's decided generated positions may be edited or
     remasked; a block filled before its S-th step keeps refining (it is not complete, so it is neither stored nor
