@@ -52,7 +52,7 @@ class Twin:
         for j in range(1, self.B):
             logits[j, x[lo + j - 1]] -= np.float32(self.lam)
         proposal = logits.argmax(-1)
-        self.fired["penalized"] += int((proposal != plain).sum())
+        self.fired["penalized"] += int(((proposal != plain) & (np.arange(lo, hi) >= p)).sum())
         z = np.exp(logits - logits.max(-1, keepdims=True))
         return proposal, (z.max(-1) / z.sum(-1)).astype(np.float32)
 
