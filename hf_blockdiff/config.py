@@ -28,6 +28,10 @@ def _fail(name: str, value: Any, fix: str) -> None:
     raise ValueError(f"BlockDiffusionConfig.{name}={value!r} is invalid: {fix}")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class BlockDiffusionConfig:
     """How `generate_multi_block` decodes. Fields left as `None` come from the model's profile (docs/design.md, "Model families").
@@ -82,7 +86,13 @@ class BlockDiffusionConfig:
     editing_threshold / max_post_steps: LLaDA2.1 editable decoding (block-causal, one active block): a decided,
     non-prompt position of the active block takes the model's proposal where it differs with confidence
     > editing_threshold (None: off), and a block whose masks were filled before its S-th step keeps refining while
-    its steps edit something, at most max_post_steps + 1 steps (docs/design.md, "The decode loop").
+    its steps edit something, at most max_post_steps + 1 steps; a block takes at most steps_per_block +
+    max_post_steps steps, the last one commits every mask left (docs/design.md, "The decode loop").
+    remask_threshold / stability_threshold / edit_penalty: Diffulex's edit/DMax rules on top of editing (preset
+    `diffulex_edit`): a decided generated position of the active block whose proposal has confidence
+    < remask_threshold turns back into a mask (None: off); a refinement step ends the refining when it left at
+    least stability_threshold of the block's decided tokens unchanged (1: only a step that changes nothing, LLaDA2.1);
+    edit_penalty is subtracted from the logit of the token just before a position in its block (0: off).
     """
 
     mask_token_id: int | None = None
@@ -130,6 +140,9 @@ class BlockDiffusionConfig:
     forced_token_scope: str = "lowest_full_block"
     editing_threshold: float | None = None
     max_post_steps: int = 16
+    remask_threshold: float | None = None
+    stability_threshold: float = 1.0
+    edit_penalty: float = 0.0
     prefix_cache_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -209,12 +222,23 @@ class BlockDiffusionConfig:
 
     def _validate_editing(self) -> None:
         value = self.editing_threshold
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                                  or not 0.0 < value <= 1.0):
+        if value is not None and (not _is_number(value) or not 0.0 < value <= 1.0):
             _fail("editing_threshold", value, "pass a confidence in (0, 1], or None to turn editing off")
         steps = self.max_post_steps
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
             _fail("max_post_steps", steps, "pass a non-negative integer (refinement steps after a block is filled)")
+        rules = (("remask_threshold", self.remask_threshold is not None, "pass a confidence in (0, 1], or None to "
+                  "turn remasking off", lambda v: v is None or (_is_number(v) and 0.0 < v <= 1.0)),
+                 ("stability_threshold", self.stability_threshold != 1.0, "pass a fraction in [0, 1] (1: a block "
+                  "stops refining only after a step that changes nothing)", lambda v: _is_number(v) and 0 <= v <= 1),
+                 ("edit_penalty", self.edit_penalty != 0.0, "pass a non-negative number (0: off)",
+                  lambda v: _is_number(v) and v >= 0))
+        for name, used, fix, valid in rules:
+            if not valid(getattr(self, name)):
+                _fail(name, getattr(self, name), fix)
+            if used and self.editing_threshold is None:
+                _fail(name, getattr(self, name), "it is a rule of editable decoding: set editing_threshold too (or "
+                      "use the diffulex_edit preset)")
 
     def _validate_switches(self) -> None:
         for name in ("early_stop", "fused_store", "first_token_on_store", "eos_fill"):

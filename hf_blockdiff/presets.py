@@ -89,6 +89,16 @@ PRESETS: dict[str, Preset] = {
         "> 0.5; a block filled early keeps refining while its steps edit, up to 16 + 1 such steps",
         "diffusers LLaDA2Pipeline + BlockRefinementScheduler (editing_threshold=0.5, max_post_steps=16)",
     ),
+    "diffulex_edit": Preset(
+        dict(_LLADA2, strategy="confidence_threshold", threshold=0.9, editing_threshold=0.4, remask_threshold=0.4,
+             max_post_steps=16),
+        "Diffulex's edit decoding with DMax remasking at its defaults: {c > 0.9} of the masks, else the most "
+        "confident; decided tokens of the active block with c < 0.4 turn back into masks, the others take a "
+        "differing proposal; a filled block refines until a step changes nothing (at most 16 + 1 such steps), and "
+        "its (32 + 16)-th step commits what is left",
+        "Diffulex LLaDA2 edit sampler (sampling_mode='edit': accept_threshold=0.9, edit_threshold=0, "
+        "max_post_edit_steps=16) + DMax remask_threshold=0.4 (docs/design.md, \"Presets\")",
+    ),
 }
 
 

@@ -33,6 +33,14 @@ def logit_salience(logits: torch.Tensor) -> torch.Tensor:
     return (z.max(-1).values - z.mean(-1)) / z.std(-1).clamp_min(1e-12)
 
 
+def penalize_preceding(logits: torch.Tensor, preceding: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Diffulex's T2T edit penalty: `penalty` off each row's logit of token `preceding` (-1: none), the token just
+    before the position in its block, so a position is less likely to repeat its neighbour (float32 logits)."""
+    logits = logits.float()
+    amount = torch.where(preceding >= 0, -penalty, 0.0)[:, None]
+    return logits.scatter_add(1, preceding.clamp(min=0)[:, None], amount)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     mask_token_id: int

@@ -35,6 +35,7 @@ class BlockScores:
     slot_blocks: int = 1  # rows come in groups of this many: one slot's active blocks, in block order
     editable: torch.Tensor | None = None  # [NB, L] bool: decided positions an edit may replace (editing only)
     current: torch.Tensor | None = None  # [NB, L] long: the canvas's tokens there
+    final: torch.Tensor | None = None  # [NB] bool: the block's last allowed step (editing only)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class StrategyParams:
     dream_eps: float = 1e-3
     forced_token_scope: str = "lowest_full_block"
     editing_threshold: float | None = None
+    remask_threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -75,10 +77,18 @@ def strategy_names() -> tuple[str, ...]:
 
 
 def select_edits(s: BlockScores, p: StrategyParams) -> torch.Tensor:
-    """LLaDA2.1's token-to-token edits (diffusers' BlockRefinementScheduler): the editable positions whose proposal
-    differs from their token with confidence > `editing_threshold`. Independent of the strategy, which commits
-    masked positions only."""
-    return s.editable & (s.proposal != s.current) & (s.confidence > p.editing_threshold)
+    """Token-to-token edits (LLaDA2.1, diffusers' BlockRefinementScheduler; Diffulex's edit sampler): the editable
+    positions whose proposal differs from their token with confidence > `editing_threshold`, unless remasked.
+    Independent of the strategy, which commits masked positions only."""
+    return s.editable & (s.proposal != s.current) & (s.confidence > p.editing_threshold) & ~select_remasks(s, p)
+
+
+def select_remasks(s: BlockScores, p: StrategyParams) -> torch.Tensor:
+    """Diffulex's DMax remasking: the editable positions whose proposal has confidence < `remask_threshold` turn
+    back into masks, except at the block's last allowed step (none when the threshold is None)."""
+    if p.remask_threshold is None:
+        return torch.zeros_like(s.editable)
+    return s.editable & (s.confidence < p.remask_threshold) & ~s.final[:, None]
 
 
 # -- building blocks ------------------------------------------------------------------------------------------------

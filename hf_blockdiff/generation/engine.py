@@ -215,7 +215,7 @@ class _Requests:
 def step_bound(prompt_lengths: list[int], cfg: BlockDiffusionConfig) -> int:
     """More steps than the prompts can take one after another: a block takes at most max(B, S) forced steps (each
     commits a token, or advances a schedule that asks for none), plus a store forward and a block-start forward,
-    and with editing at most max_post_steps + 1 refinement steps after it is filled.
+    and with editing at most max_post_steps + 1 more (an editing block takes at most S + max_post_steps steps).
     Reaching it means a bug, never a slow decode: the call fails instead of hanging."""
     _, _, num_blocks = geometry(torch.tensor(prompt_lengths), cfg)
     refinement = 0 if cfg.editing_threshold is None else cfg.max_post_steps + 1

@@ -14,7 +14,7 @@ from ..cache import PagedBlockCache
 from ..config import BlockDiffusionConfig
 from ..scheduler import ForwardLayout, ScoreRequest, Stored
 from ..scheduler.chunks import Chunks
-from ..scoring import SamplingParams, Scores, logit_salience, score_logits
+from ..scoring import SamplingParams, Scores, logit_salience, penalize_preceding, score_logits
 from .fusion import decoding_mode
 
 
@@ -68,6 +68,8 @@ class ModelExecutor:
         conditional = torch.where(inside[:, None], hidden[index], self.carry[rows])
         unconditional = None if hidden_uncond is None else hidden_uncond[index]
         logits = self.logits(None if request.canvas is None else request.canvas[rows], conditional, unconditional)
+        if request.preceding is not None:
+            logits = penalize_preceding(logits, request.preceding, self.cfg.edit_penalty)
         scores = score_logits(logits, self.sampling, request.seeds, request.counters, request.temperature)
         if request.needs_salience:
             scores.salience = logit_salience(logits)

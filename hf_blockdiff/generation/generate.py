@@ -26,7 +26,7 @@ class BlockDiffusionOutput(ModelOutput):
     [B] the decoding steps of each prompt (forwards that decided its tokens), and `tokens_per_forward` is tokens committed
     per decoding step (TPF; the rest of the stop token's block counts: it was decoded), independent of how long the
     other prompts of the batch run. `edits` [B]: decided tokens each prompt had replaced by editing (LLaDA2.1,
-    `editing_threshold`); `commit_step` is then the forward of a position's final write."""
+    `editing_threshold`; a remask is no edit); `commit_step` is then the forward of a position's final write."""
 
     sequences: torch.LongTensor | None = None
     num_forwards: int | None = None

@@ -16,7 +16,7 @@ import torch
 from ..config import BlockDiffusionConfig
 from ..kernels.rng import uniform_noise
 from ..scoring import Scores
-from ..strategies import STRATEGIES, BlockScores, StrategyParams, select_edits
+from ..strategies import STRATEGIES, BlockScores, StrategyParams
 from .chunks import Chunks, plan_chunks
 from .state import BlockStatus, DecodeState, Decision
 from .windows import Stored, window_policy
@@ -69,6 +69,7 @@ class ScoreRequest:
     temperature: torch.Tensor | None  # [n] per-position temperatures, or None for the config's one
     canvas: torch.Tensor | None  # [R, width + 1] decided canvases, for the repetition penalty and logits processors
     needs_salience: bool
+    preceding: torch.Tensor | None = None  # [n] the edit penalty's token: the one before in the block (-1: none)
 
 
 class Scheduler:
@@ -81,7 +82,7 @@ class Scheduler:
             threshold=cfg.effective_threshold, fallback=cfg.fallback, strict=cfg.strict_threshold,
             entropy_budget=cfg.entropy_budget, relative_alpha=cfg.relative_alpha, factor=cfg.factor,
             steps=cfg.steps_per_block, dream_eps=cfg.dream_eps, forced_token_scope=cfg.forced_token_scope,
-            editing_threshold=cfg.editing_threshold,
+            editing_threshold=cfg.editing_threshold, remask_threshold=cfg.remask_threshold,
         )
         self.active_blocks = min(cfg.max_active_blocks, max_blocks)
         self.chunk = cfg.block_size if cfg.block_size <= 64 else 64  # tokens per virtual row
@@ -183,14 +184,17 @@ class Scheduler:
         else:
             pick = torch.sort((~flat).to(torch.int8), stable=True).indices[:capacity]
         rows, positions = rows_all.reshape(-1)[pick], active.positions.reshape(-1)[pick]
-        temperature = None
+        offsets = pick % active.positions.shape[-1]
+        temperature = preceding = None
         if self.cfg.pos_temp_slope and self.cfg.temperature > 0:
-            offsets = pick % active.positions.shape[-1]
             span = max(self.cfg.block_size - 1, 1)
             temperature = self.cfg.temperature * (1 + self.cfg.pos_temp_slope * offsets.float() / span)
+        if self.cfg.edit_penalty:
+            before = state.canvas[rows, (positions - 1).clamp(0, state.width)]
+            preceding = torch.where(offsets > 0, before, -1)
         return ScoreRequest(active, pick, flat[pick], rows, positions, state.seed[rows],
                             self.counter(rows, positions), temperature, self.context(),
-                            "salience" in self.strategy.needs)
+                            "salience" in self.strategy.needs, preceding)
 
     def context(self) -> torch.Tensor | None:
         """The decided canvases, where a repetition penalty or logits processor reads them (None otherwise)."""
@@ -229,7 +233,7 @@ class Scheduler:
         return Decision(
             rows=active.rows[..., None].expand_as(active.positions), positions=active.positions,
             tokens=grid(scores.proposal, 0), logprob=grid(scores.logprob.float(), 0.0),
-            entropy=grid(scores.entropy.float(), 0.0), commit=transfer,
+            entropy=grid(scores.entropy.float(), 0.0),
             proposal_rows=request.rows, proposals=scores.proposal,
             proposal_positions=torch.where(request.picked, request.positions, state.width),
             forced_rows=active.rows, forced_blocks=active.blocks, forced=forced, stepped=active.valid.any(-1),
@@ -238,13 +242,10 @@ class Scheduler:
 
     def _edits(self, active: ActiveBlocks, status: BlockStatus, block_scores: BlockScores, transfer: torch.Tensor,
                forced: torch.Tensor) -> dict:
-        """The Decision's editing fields (none when the mode never edits)."""
+        """The Decision's commit and, when the mode edits, editing fields."""
         if active.editable is None:
-            return {}
-        edit = select_edits(block_scores, self.params).view(transfer.shape)
-        post, refining = self.policy.refinement(self.state, status, active.rows, active.blocks, transfer, edit,
-                                                forced)
-        return dict(edit=edit, post=post, refining=refining)
+            return dict(commit=transfer)
+        return self.policy.edit_decision(self.state, status, active, block_scores, self.params, transfer, forced)
 
     def _block_scores(self, request: ScoreRequest, status: BlockStatus, grid, scores: Scores) -> BlockScores:
         state, active = self.state, request.active

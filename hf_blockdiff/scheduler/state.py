@@ -46,8 +46,8 @@ class Decision:
     log-probability and entropy they were drawn with; the other fields are the strategy's bookkeeping: last proposals
     at (proposal_rows, proposal_positions), forced steps per active block (forced_rows, forced_blocks, forced), and
     the slots that took a decoding step (`stepped`). With editing, `edit` marks decided positions that take `tokens`
-too, and per active block `post` says the step was a refinement step (no mask at its start) and `refining` whether
-the block keeps refining after it."""
+too, `remask` decided positions that turn back into masks, and per active block `post` says the step was a
+refinement step (no mask at its start) and `refining` whether the block keeps refining after it."""
 
     rows: torch.Tensor
     positions: torch.Tensor
@@ -63,6 +63,7 @@ the block keeps refining after it."""
     forced: torch.Tensor | None = None
     stepped: torch.Tensor | None = None
     edit: torch.Tensor | None = None
+    remask: torch.Tensor | None = None
     post: torch.Tensor | None = None
     refining: torch.Tensor | None = None
 
@@ -236,10 +237,13 @@ class DecodeState:
             self.draws += decision.stepped.long()
 
     def _refine(self, decision: Decision) -> None:
-        """Editing bookkeeping of the active blocks (one per slot, so no two writes meet): edits per slot, refinement
-        steps and whether each block keeps refining."""
+        """Editing bookkeeping of the active blocks (one per slot, so no two writes meet): edits per slot, remasked
+        positions undecided again, refinement steps and whether each block keeps refining."""
         rows, blocks, valid = decision.forced_rows, decision.forced_blocks, decision.stepped[:, None]
         self.edits += decision.edit.sum((1, 2))
+        positions = torch.where(decision.remask, decision.positions, self.width)
+        self.canvas[decision.rows, positions] = self.cfg.mask_token_id
+        self.commit_step[decision.rows, positions] = -1
         self.post_steps.index_put_((rows, blocks), (decision.post & valid).long(), accumulate=True)
         self.refining[rows, blocks] = torch.where(valid, decision.refining, self.refining[rows, blocks])
 

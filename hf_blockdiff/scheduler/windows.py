@@ -14,8 +14,8 @@ bound that lets small CUDA-graph steps chain). Everything is tensor ops on fixed
     StoreForward    exact cache, a forward of its own stores each finished block (SDAR's reference count)
     SubBlocks       Fast-dLLM v2: store forwards, sub-block by sub-block, the storing forward decides the next
                     block's first token
-    Editing         LLaDA2.1: BlockCausal whose active block's decided tokens may be edited, and which keeps
-                    refining after its last mask is filled
+    Editing         LLaDA2.1 and Diffulex's edit/DMax: BlockCausal whose active block's decided tokens may be
+                    edited or remasked, and which keeps refining after its last mask is filled
 
 A new mode is a subclass here, chosen in `window_policy`, and a test against a plain reference loop.
 """
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import BlockDiffusionConfig
+from ..strategies import BlockScores, StrategyParams, select_edits, select_remasks
 from .chunks import Chunks
 from .state import BlockStatus, DecodeState
 
@@ -205,28 +206,49 @@ class SubBlocks(StoreForward):
 
 
 class Editing(BlockCausal):
-    """LLaDA2.1 (diffusers' BlockRefinementScheduler with `editing_threshold`, LLaDA2Pipeline): every step the active
-    block's decided generated positions may be edited; a block filled before its S-th step keeps refining (it is
-    not complete, so it is neither stored nor followed) while each refinement step edits something, for at most
-    `max_post_steps` + 1 such steps; a slot stops after a step that wrote a stop token when nothing before its first
-    stop token is undecided (docs/design.md, "The decode loop")."""
+    """Editable decoding (docs/design.md, "The decode loop"): LLaDA2.1 as diffusers' BlockRefinementScheduler
+    and LLaDA2Pipeline define it, and Diffulex's edit/DMax rules as parameters (remasking, stability, the step cap;
+    their defaults give LLaDA2.1). Every step the active block's decided generated positions may be edited or
+    remasked; a block filled before its S-th step keeps refining (it is not complete, so it is neither stored nor
+    followed) while its refinement steps change more than the stability threshold allows, for at most
+    `max_post_steps` + 1 such steps; a block's (S + max_post_steps)-th step commits every mask left, remasks nothing
+    and ends it; a slot stops after a step that wrote a stop token when nothing before its first stop token is
+    undecided."""
 
     def editable(self, state: DecodeState, status: BlockStatus, rows: torch.Tensor, blocks: torch.Tensor,
                  valid: torch.Tensor) -> torch.Tensor:
         generated = state.positions[rows, blocks] >= state.prompt_len[rows][..., None]
         return valid[..., None] & state.slot_valid[rows, blocks] & generated & ~status.masked[rows, blocks]
 
-    def refinement(self, state: DecodeState, status: BlockStatus, rows: torch.Tensor, blocks: torch.Tensor,
-                   commit: torch.Tensor, edit: torch.Tensor, forced: torch.Tensor):
-        """(post, refining) [R, K]: the step found the block without masks, and the block keeps refining after it
-        (filled, and: a step with masks was before the S-th, or a refinement step edited within its budget)."""
+    def edit_decision(self, state: DecodeState, status: BlockStatus, active, scores: BlockScores,
+                      params: StrategyParams, transfer: torch.Tensor, forced: torch.Tensor) -> dict:
+        """The Decision's commit and editing fields for the active blocks (`active`: the scheduler's ActiveBlocks)
+        given the strategy's `transfer` and `forced` blocks: at a block's last allowed step every mask is committed
+        and nothing remasked."""
+        rows, blocks = active.rows, active.blocks
+        steps = state.forced_steps[rows, blocks] + forced.long()  # the active block is forced at each of its steps
+        final = steps >= self.cfg.steps_per_block + self.cfg.max_post_steps
+        scores.final = final.view(-1)
+        commit = transfer | (active.candidates & final[..., None])
+        remask = select_remasks(scores, params).view(transfer.shape)
+        edit = select_edits(scores, params).view(transfer.shape)
         remaining = status.remaining[rows, blocks]
         post = remaining == 0
-        filled = remaining == commit.sum(-1)
-        steps = state.forced_steps[rows, blocks] + forced.long()
+        filled = (remaining == commit.sum(-1)) & ~remask.any(-1)
+        refining = filled & ~final & self.keeps_refining(state, rows, blocks, post, steps, active.editable,
+                                                         edit | remask)
+        return dict(commit=commit, edit=edit, remask=remask, post=post, refining=refining)
+
+    def keeps_refining(self, state: DecodeState, rows: torch.Tensor, blocks: torch.Tensor, post: torch.Tensor,
+                       steps: torch.Tensor, editable: torch.Tensor, changed: torch.Tensor) -> torch.Tensor:
+        """[R, K]: a block without masks after the step refines on: after a refinement step (`post`) that left
+        unchanged less than `stability_threshold` of its decided tokens, within its budget; after a step that
+        filled it, when that was before its S-th step."""
+        cfg = self.cfg
         posts = state.post_steps[rows, blocks] + post.long()
-        more = torch.where(post, edit.any(-1) & (posts <= self.cfg.max_post_steps), steps < self.cfg.steps_per_block)
-        return post, filled & more
+        decided = editable.sum(-1)
+        unstable = decided - changed.sum(-1) < cfg.stability_threshold * decided
+        return torch.where(post, unstable & (posts <= cfg.max_post_steps), steps < cfg.steps_per_block)
 
     def stopped(self, state: DecodeState, status: BlockStatus, stop_ids: torch.Tensor) -> torch.Tensor:
         """The step wrote a stop token and nothing before the first one is undecided (a refining block stops too:
