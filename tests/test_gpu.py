@@ -33,6 +33,8 @@ def generate(model, prompts, **settings):
     dict(attention="bidirectional", max_active_blocks=3, block_add_threshold=0.5, decoded_token_threshold=0.5,
          strategy="entropy_threshold", threshold=1.0, forced_token_scope="all_active"),
     dict(attention="block_causal", temperature=0.8, top_k=20),
+    dict(attention="block_causal", editing_threshold=0.5, remask_threshold=0.3, stability_threshold=0.5,
+         edit_penalty=1.0, max_post_steps=2),  # LLaDA2.1 / Diffulex edit: remasks, edits, refinement steps
 ])
 def test_triton_graphs_and_compile_equal_eager_sdpa_fp32(mode):
     model = tiny_model("qwen3").to(CUDA)
