@@ -138,3 +138,11 @@ def test_a_lora_merged_for_the_call_is_a_weight_change(monkeypatch):
         decode(base, STORE, [FIRST])
         got, prefill = decode(with_lora(base), STORE, [SECOND])
         assert (prefill, torch.equal(got, expected)) == ((8, False) if blind else (40, True))
+
+
+def test_a_store_that_leaves_no_room_for_a_prompt_is_refused():
+    model = tiny_model("qwen3")
+    cfg = BlockDiffusionConfig(**BASE, prefix_cache_tokens=64, max_cache_tokens=96)  # a canvas of 48 + 64 > 96
+    with pytest.raises(ValueError, match="prefix_cache_tokens"):
+        model.generate_multi_block(torch.tensor([[5] * 37]), cfg)
+    assert getattr(model, "_blockdiff_engine", None) is None  # refused before anything was built
