@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .quantization import is_quantized_weight
+
 
 def tuner_layers(model: torch.nn.Module) -> list:
     """The PEFT tuner layers (LoRA, ...) inside `model`; a `PeftModel`'s base model holds the same layers."""
@@ -108,6 +110,11 @@ def merged(layers: list, adapter: str | None):
             names = _to_merge(layer, adapter)
             if adapter is None and not names:
                 continue
+            if names and is_quantized_weight(layer.get_base_layer().weight):
+                raise ValueError(f"LoRA pre-merge: the base weights under adapter(s) {names} are quantized "
+                                 f"({type(layer.get_base_layer().weight).__name__}); merging into them cannot be "
+                                 "undone exactly. Merge into an unquantized copy (merge_and_unload) and quantize "
+                                 "that, or disable the adapters for this call.")
             backups.append(_LayerBackup.take(layer, weights=bool(names)))
             if adapter is not None:
                 layer._active_adapter = [adapter]  # a layer without it must not add the active adapter's delta

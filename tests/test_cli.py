@@ -128,3 +128,13 @@ def test_bench_rollouts_share_pages(capsys):
     # pages of 64: a canvas of 80 takes 2. Shared: the store's page of the common 64 tokens, and one page per sample
     # (the leader's holds tokens 64-72 of its prompt, the others' a copy of it)
     assert report["kv_ratio"] == pytest.approx((1 + 2 * 4) / (2 * 4 * 2), abs=1e-3)
+
+
+def test_bench_quantized_weights(capsys):
+    """--quantization int8 runs the fast path on torchao int8 weight-only layers; nf4 needs a checkpoint."""
+    code = main(["bench", "--shape", "tiny", "--batch-size", "2", "--prompt-len", "9", "--new-tokens", "8",
+                 "--device", "cpu", "--dtype", "float32", "--quantization", "int8", "--skip-reference", "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and report["settings"]["quantization"] == "int8" and report["results"][0]["tokens"] == 16
+    assert main(["bench", "--shape", "tiny", "--device", "cpu", "--quantization", "nf4"]) == 2
+    assert "pass --model DIR" in capsys.readouterr().err

@@ -70,6 +70,29 @@ def test_shared_prefix_samples_under_graphs_equal_repeated_prompts(max_batch_siz
     assert torch.equal(shared.sequences, plain.sequences)
 
 
+@pytest.mark.parametrize("quantization, dtype", [("int8", torch.float32), ("fp8", torch.bfloat16)])
+def test_quantized_weights_under_graphs_and_compile(quantization, dtype):
+    """torchao weight-only layers on the fast path: CUDA graphs give the eager tokens (same kernels); compiled layers
+    too in fp32, and in bf16 (where inductor's fusions round differently) on almost every position."""
+    from hf_blockdiff.tools.bench import _quantization_config
+    from torchao.quantization import quantize_
+
+    model = tiny_model("qwen3").to(CUDA, dtype)
+    config = _quantization_config(quantization)
+    quantize_(model, config.quant_type, filter_fn=lambda module, name: isinstance(module, torch.nn.Linear)
+              and "lm_head" not in name)
+    model.config.quantization_config = config
+    prompts = random_prompts((9, 4, 6, 13), seed=34)
+    run = dict(attention="block_causal", attention_backend="triton")
+    eager = generate(model, prompts, cuda_graphs=False, compile=False, **run).sequences
+    graphs = generate(model, prompts, cuda_graphs=True, compile=False, **run).sequences
+    compiled = generate(model, prompts, cuda_graphs=True, compile=True, **run).sequences
+    assert torch.equal(eager, graphs)
+    agreement = (compiled == eager).float().mean().item()
+    print(f"{quantization}: compiled layers agree with eager on {agreement:.1%} of positions")
+    assert agreement == 1.0 if dtype == torch.float32 else agreement >= 0.9
+
+
 def test_graphs_are_reused_across_calls_and_freed():
     model = tiny_model("qwen3").to(CUDA)
     prompts = random_prompts((9, 4, 6), seed=32)

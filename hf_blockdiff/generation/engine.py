@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from ..attention import AttentionBackend
 from ..config import BlockDiffusionConfig
 from ..kernels.rng import fmix32
+from ..quantization import traceable
 from ..scheduler import Scheduler, geometry, window_policy
 from .executor import ModelExecutor
 from .fusion import fusion_for
@@ -60,13 +61,13 @@ def kv_bytes_per_token(model) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * model.get_output_embeddings().weight.element_size()
 
 
-def use_graphs(cfg: BlockDiffusionConfig, backend: AttentionBackend, device: torch.device) -> bool:
-    """Fixed-shape steps (CUDA graphs on CUDA): by default on CUDA with a backend whose plans need no host sync;
-    never with a user's logits processor (arbitrary Python)."""
+def use_graphs(cfg: BlockDiffusionConfig, backend: AttentionBackend, device: torch.device, model) -> bool:
+    """Fixed-shape steps (CUDA graphs on CUDA): by default on CUDA with a backend whose plans need no host sync and
+    layers graphs can capture (not bitsandbytes'); never with a user's logits processor (arbitrary Python)."""
     if cfg.logits_processor is not None:
         return False
     if cfg.cuda_graphs is None:
-        return device.type == "cuda" and backend.graph_safe
+        return device.type == "cuda" and backend.graph_safe and traceable(model)
     return cfg.cuda_graphs
 
 
@@ -82,7 +83,7 @@ class Engine:
         store = _kept_store(previous, cfg)
         self.scheduler = Scheduler(cfg, slots, width, max_blocks, device)
         self.state = self.scheduler.state
-        graphs = use_graphs(cfg, backend, device)
+        graphs = use_graphs(cfg, backend, device, model)
         fusion = fusion_for(cfg, backend, graphs, device, model)
         self.executor = ModelExecutor(model, cfg, backend, fusion, slots, width, device, pool_tokens,
                                       None if store is None else store.cache)

@@ -11,6 +11,7 @@ from transformers.utils import ModelOutput
 from ..attention import resolve_backend
 from ..config import BlockDiffusionConfig
 from ..profiles import model_profile
+from ..quantization import check_quantization
 from ..tensor_parallel import check_tensor_parallel
 from ..scheduler import DecodeState
 from .engine import Results, engine_for, request_seeds
@@ -79,6 +80,7 @@ def generate_multi_block(
     if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
         raise ValueError(f"max_batch_size={max_batch_size!r}: pass a positive integer (or None for all prompts).")
     samples = _check_samples(num_return_sequences, streamer)
+    check_quantization(self)
     check_tensor_parallel(self)
     backend = resolve_backend(cfg.attention_backend, device, cfg.block_size, cfg.page_size)
     stream = _TokenStream(streamer, input_ids, cfg) if streamer is not None else None

@@ -62,11 +62,31 @@ class Measurement:
                 "tokens_per_forward": round(self.tokens / self.forwards / self.rows, 3)}
 
 
-def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype):
+def _quantization_config(quantization: str):
+    """transformers' quantization config for --quantization (None: none)."""
+    from transformers import BitsAndBytesConfig, TorchAoConfig
+
+    if quantization == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    if quantization in ("int8", "fp8"):
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+
+        return TorchAoConfig(Int8WeightOnlyConfig() if quantization == "int8" else Float8WeightOnlyConfig())
+    return None
+
+
+def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype, quantization: str = "none"):
+    """A checkpoint, or random weights of `shape`; quantized weight-only as transformers' quantizers do it (torchao
+    int8/fp8 applied to the built model; bitsandbytes nf4 quantizes while loading, so it needs `model_path`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    quantized = _quantization_config(quantization)
     if model_path:
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        extra = {} if quantized is None else {"quantization_config": quantized, "device_map": device}
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **extra)
+        return (model if quantized is not None else model.to(device)).eval()
+    if quantization == "nf4":
+        raise ValueError("--quantization nf4: bitsandbytes quantizes while loading a checkpoint: pass --model DIR.")
     sizes = dict(SHAPES[shape])
     model_type = sizes.pop("model_type")
     if model_type == "sdar":
@@ -76,6 +96,12 @@ def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dt
     config = AutoConfig.for_model(model_type, **sizes)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if quantized is not None:
+        from torchao.quantization import quantize_
+
+        quantize_(model, quantized.quant_type, filter_fn=lambda module, name: isinstance(module, torch.nn.Linear)
+                  and "lm_head" not in name)
+        model.config.quantization_config = quantized  # what a checkpoint loaded with it would carry
     return model.eval()
 
 
@@ -205,7 +231,7 @@ def _settings(args, model, mask_id: int):
 
 def bench(args) -> dict:
     device, dtype = args.device, getattr(torch, args.dtype)
-    model = build_model(args.shape, args.model, device, dtype)
+    model = build_model(args.shape, args.model, device, dtype, args.quantization)
     vocab = model.config.get_text_config().vocab_size
     mask_id = model_profile(model).mask_token_id
     mask_id = vocab - 1 if mask_id is None else mask_id
@@ -319,6 +345,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens every prompt starts with (a system prompt), read from the prefix store after "
                         "the first call; with --num-return-sequences (default: %(default)s)")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "fp8", "nf4"],
+                        help="weight-only quantization: torchao int8 or fp8, bitsandbytes nf4 (with --model) "
+                        "(default: %(default)s)")
     parser.add_argument("--editing-threshold", type=float, default=None,
                         help="LLaDA2 only: decode with the llada2_1 preset (editing) at this threshold, and diffusers "
                         "with the same (default: editing off, the llada2 preset)")
