@@ -242,8 +242,9 @@ class DecodeState:
         rows, blocks, valid = decision.forced_rows, decision.forced_blocks, decision.stepped[:, None]
         self.edits += decision.edit.sum((1, 2))
         positions = torch.where(decision.remask, decision.positions, self.width)
-        self.canvas[decision.rows, positions] = self.cfg.mask_token_id
-        self.commit_step[decision.rows, positions] = -1
+        # device-side values: a Python scalar would be copied from the host, which a CUDA graph cannot capture
+        self.canvas[decision.rows, positions] = torch.full_like(positions, self.cfg.mask_token_id)
+        self.commit_step[decision.rows, positions] = torch.full_like(positions, -1)
         self.post_steps.index_put_((rows, blocks), (decision.post & valid).long(), accumulate=True)
         self.refining[rows, blocks] = torch.where(valid, decision.refining, self.refining[rows, blocks])
 
