@@ -56,6 +56,10 @@ class BlockDiffusionConfig:
     page_size: tokens per KV-cache page. max_cache_tokens: KV-cache capacity in tokens (default: 80 % of the free GPU
     memory on CUDA, unbounded on CPU); it limits how many prompts decode at once. cuda_graphs: replay each decode
     step as a CUDA graph (None: on CUDA with the triton and flash_attn backends; True off CUDA runs the same fixed-shape step eagerly).
+    max_forwards / max_repeat_run: request limits (Diffulex): a prompt ends once it took `max_forwards` decoding steps
+    (its `steps` output; prefill and store forwards do not count), or once its generated tokens, decided from the
+    first on, hold a run of `max_repeat_run` equal tokens (the output ends with that run); the positions after are
+    the pad id. None: no limit (docs/design.md, "The decode loop").
     prefix_cache_tokens: opt-in reuse of prompt prefixes across calls: up to this many tokens of earlier prompts'
     prefixes stay in the KV cache (units of lcm(page_size, block_size) tokens, least recently used evicted, emptied
     when the weights change) and a prompt starting with the same tokens reads them instead of computing them.
@@ -144,6 +148,8 @@ class BlockDiffusionConfig:
     stability_threshold: float = 1.0
     edit_penalty: float = 0.0
     prefix_cache_tokens: int = 0
+    max_forwards: int | None = None
+    max_repeat_run: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -160,6 +166,13 @@ class BlockDiffusionConfig:
                 _fail(name, value, "pass a positive integer")
         if self.page_size & (self.page_size - 1):
             _fail("page_size", self.page_size, "pass a power of two (16, 32, 64, ...)")
+        for name, low in (("max_forwards", 1), ("max_repeat_run", 2)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                _fail(name, value, f"pass an integer ≥ {low}, or None for no limit")
+        if self.max_repeat_run is not None and self.eos_fill:
+            _fail("max_repeat_run", self.max_repeat_run, "a repeated run is cut with the pad id, which eos_fill "
+                  "replaces with stop ids: pass one of max_repeat_run and eos_fill")
         tokens = self.prefix_cache_tokens
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
             _fail("prefix_cache_tokens", tokens, "pass a number of tokens (0 turns the prefix store off)")

@@ -133,11 +133,11 @@ class Engine:
                     break
                 self.step()
                 if stream is not None:
-                    stream.step(state)
+                    stream.step(state, self.scheduler.output_end())
                 done, nonfinite, decided = self.scheduler.host_view()
                 _check_finite(nonfinite, owner)
                 finished = [slot for slot in range(state.num_rows) if done[slot] and owner[slot] >= 0]
-                stops = state.first_stop(self.scheduler.stop_ids) if finished else None
+                stops = self.scheduler.output_end() if finished else None
                 for slot in finished:
                     self._harvest(slot, owner[slot], results, stops)
                     self.pages.release(slot)

@@ -127,10 +127,10 @@ class _TokenStream:
             raise ValueError("streamer needs a batch of one prompt.")
         self.streamer, self.cfg, self.sent = streamer, cfg, 0
         self.put_draft = getattr(streamer, "put_draft", None)
-        self.stop_ids = torch.tensor(cfg.stopping_ids, dtype=torch.long, device=input_ids.device)
         streamer.put(input_ids[0].cpu())
 
-    def step(self, state: DecodeState) -> None:
+    def step(self, state: DecodeState, output_end: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """After a step: `output_end` is the scheduler's (last output position, has one) per slot."""
         start = int(state.prompt_len[0])
         row = state.canvas[0, start : start + self.cfg.max_new_tokens]
         undecided = row == self.cfg.mask_token_id
@@ -139,9 +139,9 @@ class _TokenStream:
         ready = int(undecided.int().argmax()) if bool(undecided.any()) else len(row)
         if self.cfg.editing_threshold is not None:  # a decided token may still be edited until its block completes
             ready = min(ready, _complete_prefix(state) - start)
-        first, has_stop = state.first_stop(self.stop_ids)
-        if bool(has_stop[0]):
-            ready = min(ready, int(first[0]) - start + 1)
+        end, has_end = output_end
+        if bool(has_end[0]):
+            ready = min(ready, int(end[0]) - start + 1)
         if ready > self.sent:
             self.streamer.put(row[self.sent : ready].to("cpu", copy=True))
             self.sent = ready

@@ -296,8 +296,22 @@ class Scheduler:
         finished = self.policy.finished(state, status)
         if self.stop_ids.numel():
             finished |= self.policy.stopped(state, status, self.stop_ids)
+        if self.cfg.max_forwards is not None:  # request limits (docs/design.md, "The decode loop")
+            finished |= state.draws >= self.cfg.max_forwards
+        if self.cfg.max_repeat_run is not None:
+            finished |= state.repeat_end(self.cfg.max_repeat_run)[1]
         state.finish(finished)
         return status
+
+    def output_end(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's last output position and whether it has one: its first stop token, or the end of its first
+        run of `max_repeat_run` equal tokens, whichever comes first (what follows becomes the pad id)."""
+        end, has = self.state.first_stop(self.stop_ids)
+        if self.cfg.max_repeat_run is not None:
+            run_end, repeats = self.state.repeat_end(self.cfg.max_repeat_run)
+            end = torch.where(has & (~repeats | (end <= run_end)), end, run_end)
+            has = has | repeats
+        return end, has
 
     def prepare(self, slots: torch.Tensor, status: BlockStatus | None = None) -> None:
         """Decide the next forward of `slots` ([R] bool): activate blocks and lay out their windows, in fixed buffers

@@ -268,6 +268,18 @@ class DecodeState:
         positions = torch.arange(self.width + 1, device=self.canvas.device)
         return (positions >= self.prompt_len[:, None]) & (positions < (self.prompt_len + self.cfg.max_new_tokens)[:, None])
 
+    def repeat_end(self, run: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Canvas position where each slot's first run of `run` equal tokens ends, among its generated tokens decided
+        from the first on, and whether there is one (docs/design.md, "The decode loop": request limits)."""
+        if run > self.width + 1:
+            return self.prompt_len, torch.zeros_like(self.done)
+        generated = self.generated()
+        undecided = generated & (self.canvas == self.cfg.mask_token_id)
+        settled = generated & (undecided.long().cumsum(-1) == 0)
+        windows = self.canvas.unfold(-1, run, 1)
+        hits = (windows == windows[..., :1]).all(-1) & settled.unfold(-1, run, 1).all(-1)
+        return hits.long().argmax(-1) + run - 1, hits.any(-1)
+
     def first_stop(self, stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Canvas position of each slot's first stop token in its generated part, and whether there is one."""
         hits = self.generated() & torch.isin(self.canvas, stop_ids)
