@@ -280,15 +280,20 @@ class DecodeState:
         hits = (windows == windows[..., :1]).all(-1) & settled.unfold(-1, run, 1).all(-1)
         return hits.long().argmax(-1) + run - 1, hits.any(-1)
 
-    def first_stop(self, stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Canvas position of each slot's first stop token in its generated part, and whether there is one."""
-        hits = self.generated() & torch.isin(self.canvas, stop_ids)
+    def stop_hits(self, stop_ids: torch.Tensor) -> torch.Tensor:
+        """[R, width + 1] bool: stop tokens in the slots' generated parts."""
+        return self.generated() & torch.isin(self.canvas, stop_ids)
+
+    def first_stop(self, stop_ids: torch.Tensor, hits: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Canvas position of each slot's first stop token in its generated part, and whether there is one (`hits`:
+        `stop_hits(stop_ids)` when the caller has them)."""
+        hits = self.stop_hits(stop_ids) if hits is None else hits
         return hits.int().argmax(-1), hits.any(-1)
 
-    def wrote_stop(self, stop_ids: torch.Tensor) -> torch.Tensor:
-        """[R]: the slot's last step wrote a stop token into its generated part (committed or edited)."""
-        written = self.commit_step == self.forward_index
-        return (self.generated() & written & torch.isin(self.canvas, stop_ids)).any(-1)
+    def wrote_stop(self, hits: torch.Tensor) -> torch.Tensor:
+        """[R]: the slot's last step wrote one of the stop tokens `hits` marks (committed or edited)."""
+        return (hits & (self.commit_step == self.forward_index)).any(-1)
 
     def decided_before(self, position: torch.Tensor) -> torch.Tensor:
         """[R]: no generated position of the slot before `position` [R] is undecided."""

@@ -253,8 +253,9 @@ class Editing(BlockCausal):
     def stopped(self, state: DecodeState, status: BlockStatus, stop_ids: torch.Tensor) -> torch.Tensor:
         """The step wrote a stop token and nothing before the first one is undecided (a refining block stops too:
         later edits could change what precedes the stop token)."""
-        first, has_stop = state.first_stop(stop_ids)
-        return has_stop & state.wrote_stop(stop_ids) & state.decided_before(first)
+        hits = state.stop_hits(stop_ids)
+        first, has_stop = state.first_stop(stop_ids, hits)
+        return has_stop & state.wrote_stop(hits) & state.decided_before(first)
 
 
 def window_policy(cfg: BlockDiffusionConfig) -> FullRecompute:
