@@ -132,14 +132,16 @@ class Engine:
                 if all(request < 0 for request in owner):
                     break
                 self.step()
+                ends = self.scheduler.output_end() if stream is not None else None
                 if stream is not None:
-                    stream.step(state, self.scheduler.output_end())
+                    stream.step(state, ends)
                 done, nonfinite, decided = self.scheduler.host_view()
                 _check_finite(nonfinite, owner)
                 finished = [slot for slot in range(state.num_rows) if done[slot] and owner[slot] >= 0]
-                stops = self.scheduler.output_end() if finished else None
+                if finished and ends is None:
+                    ends = self.scheduler.output_end()
                 for slot in finished:
-                    self._harvest(slot, owner[slot], results, stops)
+                    self._harvest(slot, owner[slot], results, ends)
                     self.pages.release(slot)
                     owner[slot] = -1
                 progress.show(finished, decided, owner)
@@ -278,14 +280,14 @@ def _cache_plan(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], w
     prefix store; the pool never exceeds the budget (prompts short of pages wait)."""
     page, guided = cfg.page_size, cfg.cfg_scale > 0
     canvas = math.ceil(width / page) * page * (2 if guided else 1)
-    wanted = slots * (canvas + page) + cfg.prefix_cache_tokens
+    unbounded = slots * (canvas + page) + cfg.prefix_cache_tokens
     budget = cfg.max_cache_tokens
     if budget is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         held = 0 if engine is None else engine.cache.num_pages * page * kv_bytes_per_token(model)
         budget = int(0.8 * (free + held)) // kv_bytes_per_token(model)
     if budget is None:
-        return slots, wanted
+        return slots, unbounded
     if canvas + cfg.prefix_cache_tokens > budget:
         stored = f" beside the {cfg.prefix_cache_tokens} of prefix_cache_tokens" if cfg.prefix_cache_tokens else ""
         raise ValueError(f"One prompt needs {canvas} KV-cache tokens{stored} but the cache holds {budget}: lower "

@@ -44,9 +44,14 @@ class PrefixStore:
         while len(self.units) > self.capacity:
             self.units.popitem(last=False)  # not held now: start_call holds what is left
 
-    @staticmethod
-    def _key(tokens: torch.Tensor, end: int) -> bytes:
-        return tokens[:end].to("cpu", torch.int64).numpy().tobytes()
+    def _keys(self, tokens: torch.Tensor, length: int) -> list[bytes]:
+        """The keys of the units of `tokens[:length]`, in order: the exact int64 bytes from position 0 to each unit's
+        end (the tokens come to the host once, not once per unit)."""
+        ends = range(self.unit, length + 1, self.unit)
+        if not ends:
+            return []
+        data = tokens[: ends[-1]].to("cpu", torch.int64).numpy().tobytes()
+        return [data[: end * 8] for end in ends]  # 8 bytes per int64 token
 
     def start_call(self, fingerprint) -> None:
         """The pool was reset: hold the stored pages again, or forget them all if the weights changed."""
@@ -59,8 +64,7 @@ class PrefixStore:
     def lookup(self, tokens: torch.Tensor, limit: int) -> list[int]:
         """Pages of the longest stored prefix of `tokens` no longer than `limit` tokens (the caller holds them)."""
         keys = []
-        for end in range(self.unit, limit + 1, self.unit):
-            key = self._key(tokens, end)
+        for key in self._keys(tokens, limit):
             if key not in self.units:
                 break
             keys.append(key)
@@ -75,13 +79,12 @@ class PrefixStore:
 
     def insert(self, tokens: torch.Tensor, row_pages: list[int], length: int) -> None:
         """Store the units of `tokens[:length]` (K/V in `row_pages`, the row's page table) not stored yet."""
-        keys = []
-        for index, end in enumerate(range(self.unit, length + 1, self.unit)):
-            keys.append(self._key(tokens, end))
-            if keys[-1] not in self.units:
+        keys = self._keys(tokens, length)
+        for index, key in enumerate(keys):
+            if key not in self.units:
                 pages = row_pages[index * self.pages_per_unit:(index + 1) * self.pages_per_unit]
                 self.cache.pages.hold(pages)
-                self.units[keys[-1]] = pages
+                self.units[key] = pages
         self._touch(keys)
         while len(self.units) > self.capacity:
             self.evict()
