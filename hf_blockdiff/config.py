@@ -32,6 +32,10 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass
 class BlockDiffusionConfig:
     """How `generate_multi_block` decodes. Fields left as `None` come from the model's profile (docs/design.md, "Model families").
@@ -162,19 +166,19 @@ class BlockDiffusionConfig:
         for name in ("block_size", "steps_per_block", "max_new_tokens", "max_active_blocks", "page_size",
                      "max_cache_tokens"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            if value is not None and (not _is_int(value) or value <= 0):
                 _fail(name, value, "pass a positive integer")
         if self.page_size & (self.page_size - 1):
             _fail("page_size", self.page_size, "pass a power of two (16, 32, 64, ...)")
         for name, low in (("max_forwards", 1), ("max_repeat_run", 2)):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            if value is not None and (not _is_int(value) or value < low):
                 _fail(name, value, f"pass an integer ≥ {low}, or None for no limit")
         if self.max_repeat_run is not None and self.eos_fill:
             _fail("max_repeat_run", self.max_repeat_run, "a repeated run is cut with the pad id, which eos_fill "
                   "replaces with stop ids: pass one of max_repeat_run and eos_fill")
         tokens = self.prefix_cache_tokens
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        if not _is_int(tokens) or tokens < 0:
             _fail("prefix_cache_tokens", tokens, "pass a number of tokens (0 turns the prefix store off)")
         if self.mask_token_id is not None and (not isinstance(self.mask_token_id, int) or self.mask_token_id < 0):
             _fail("mask_token_id", self.mask_token_id, "pass the non-negative id of the mask token")
@@ -238,7 +242,7 @@ class BlockDiffusionConfig:
         if value is not None and (not _is_number(value) or not 0.0 < value <= 1.0):
             _fail("editing_threshold", value, "pass a confidence in (0, 1], or None to turn editing off")
         steps = self.max_post_steps
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        if not _is_int(steps) or steps < 0:
             _fail("max_post_steps", steps, "pass a non-negative integer (refinement steps after a block is filled)")
         rules = (("remask_threshold", self.remask_threshold is not None, "pass a confidence in (0, 1], or None to "
                   "turn remasking off", lambda v: v is None or (_is_number(v) and 0.0 < v <= 1.0)),

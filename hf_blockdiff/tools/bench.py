@@ -42,6 +42,7 @@ SHAPES = {  # architecture sizes of released checkpoints (random weights; nothin
                         topk_group=2, num_experts_per_tok=2, moe_intermediate_size=32),
 }
 LLADA2 = "llada2_moe"
+COMPILE = {"auto": None, "on": True, "off": False}  # --compile -> BlockDiffusionConfig.compile
 
 
 @dataclass
@@ -202,7 +203,7 @@ def _llada2_settings(args, mask_id: int):
                                            ("threshold", args.threshold)) if value is not None}
     cfg = BlockDiffusionConfig.from_preset(
         "llada2_1" if editing else "llada2", mask_token_id=mask_id, max_new_tokens=args.new_tokens, eos_token_id=[],
-        attention_backend=args.attention_backend, compile={"auto": None, "on": True, "off": False}[args.compile],
+        attention_backend=args.attention_backend, compile=COMPILE[args.compile],
         **editing, **sizes)
     return cfg, diffusers_llada2
 
@@ -224,7 +225,7 @@ def _settings(args, model, mask_id: int):
         decoded_token_threshold=args.decoded_token_threshold, eos_token_id=[], attention_backend=args.attention_backend,
         attention="bidirectional" if bidirectional else "block_causal",
         alignment="prompt_end" if bidirectional else "absolute",
-        compile={"auto": None, "on": True, "off": False}[args.compile],
+        compile=COMPILE[args.compile],
     )
     return cfg, llada_loop if bidirectional else reference_loop
 
