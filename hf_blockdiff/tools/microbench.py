@@ -19,7 +19,7 @@ from ..kernels.scoring import score_reference, score_triton
 HQ, HKV, HEAD_DIM, VOCAB, MASK_ID = 32, 8, 128, 151936, 151669
 
 
-def _time_ms(fn, device, graph=False):
+def time_ms(fn, device, graph=False):
     """Median milliseconds; graph=True replays fn in a CUDA graph, leaving out the host's launch overhead."""
     if device == "cuda":
         import triton.testing
@@ -37,7 +37,7 @@ def _bandwidth(device, nbytes):
     """Bytes per millisecond of a device-to-device copy, counting bytes read and written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _time_ms(lambda: dst.copy_(src), device)
+    return 2 * nbytes / time_ms(lambda: dst.copy_(src), device)
 
 
 def _paged_inputs(batch, prefix, block, page_size, device):
@@ -81,7 +81,7 @@ def _flex_lower_bound_ms(q, k_pages, v_pages, page_table, q_limit, scale, device
     mask = create_block_mask(visible, q.shape[0], None, q.shape[2], length, device=q.device)
     flex = torch.compile(flex_attention)
     flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)  # compile outside the timed graph
-    return _time_ms(lambda: flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True), device, graph=True)
+    return time_ms(lambda: flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True), device, graph=True)
 
 
 def _bench_attention(batch, prefix, block, page_size, device, bandwidth, flex=False):
@@ -89,10 +89,10 @@ def _bench_attention(batch, prefix, block, page_size, device, bandwidth, flex=Fa
     args = (q, k_pages, v_pages, page_table, q_limit, HEAD_DIM**-0.5)
     kv_bytes = 2 * batch * (prefix + block) * HKV * HEAD_DIM * 2
     io_bytes = kv_bytes + 2 * q.numel() * 2
-    triton_ms = _time_ms(lambda: paged_attention(*args), device)
-    graph_ms = _time_ms(lambda: paged_attention(*args), device, graph=True)
+    triton_ms = time_ms(lambda: paged_attention(*args), device)
+    graph_ms = time_ms(lambda: paged_attention(*args), device, graph=True)
     try:
-        sdpa_ms = _time_ms(lambda: _sdpa_reference(*args), device)
+        sdpa_ms = time_ms(lambda: _sdpa_reference(*args), device)
     except torch.OutOfMemoryError:
         sdpa_ms = float("nan")
     flex_ms = _flex_lower_bound_ms(*args, device) if flex else float("nan")
@@ -101,7 +101,7 @@ def _bench_attention(batch, prefix, block, page_size, device, bandwidth, flex=Fa
     if kernel is not None:
         flash_args = (q.transpose(1, 2), k_pages, v_pages, q_limit.amax(1), page_table, HEAD_DIM**-0.5)
         kernel.run(*flash_args)  # compile (FA4) outside the timed graph
-        flash_ms = _time_ms(lambda: kernel.run(*flash_args), device, graph=True)
+        flash_ms = time_ms(lambda: kernel.run(*flash_args), device, graph=True)
     return dict(
         kernel="paged_attention", batch=batch, prefix=prefix, block=block, page_size=page_size,
         triton_us=triton_ms * 1e3, graph_us=graph_ms * 1e3, torch_us=sdpa_ms * 1e3, flex_us=flex_ms * 1e3,
@@ -114,9 +114,9 @@ def _bench_scoring(n, vocab, temperature, device, bandwidth):
     seed = torch.arange(n, device=device)
     args = (logits, MASK_ID % vocab, temperature, 0, seed, seed)
     io_bytes = logits.numel() * 2
-    triton_ms = _time_ms(lambda: score_triton(*args), device)
-    graph_ms = _time_ms(lambda: score_triton(*args), device, graph=True)
-    torch_ms = _time_ms(lambda: score_reference(*args), device)
+    triton_ms = time_ms(lambda: score_triton(*args), device)
+    graph_ms = time_ms(lambda: score_triton(*args), device, graph=True)
+    torch_ms = time_ms(lambda: score_reference(*args), device)
     return dict(
         kernel=f"scoring T={temperature}", batch=n, prefix=0, block=0, page_size=0,
         triton_us=triton_ms * 1e3, graph_us=graph_ms * 1e3, torch_us=torch_ms * 1e3, flex_us=float("nan"),

@@ -4,7 +4,7 @@ For `tokens` hidden states, one MoE layer (router, grouped experts, shared exper
 against the dense-equivalent work: every routed expert as one batched GEMM over `tokens · k / E` rows (perfectly
 balanced routing, no sort, gather or scatter), followed by the shared experts as plain GEMMs — the same FLOPs and
 the same weight bytes as the layer. Both replay in a CUDA graph (median of `triton.testing.do_bench_cudagraph`), so
-launch overhead is left out of both.
+launch overhead is left out of both (`microbench.time_ms`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _graph_us(fn) -> float:
-    import triton.testing
-
-    return 1e3 * triton.testing.do_bench_cudagraph(fn, return_mode="median")
+from .microbench import time_ms
 
 
 def moe_layer(model):
@@ -43,7 +39,7 @@ def moe_against_dense(model, tokens: int) -> dict:
         if shared is not None:
             shared(hidden)
 
-    moe_us = _graph_us(lambda: mlp(hidden[None]))
-    dense_us = _graph_us(dense)
+    moe_us = 1e3 * time_ms(lambda: mlp(hidden[None]), "cuda", graph=True)
+    dense_us = 1e3 * time_ms(dense, "cuda", graph=True)
     return {"tokens": tokens, "moe_layer_us": round(moe_us, 1), "dense_equivalent_us": round(dense_us, 1),
             "ratio": round(moe_us / dense_us, 2), "experts_implementation": config._experts_implementation}
