@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind the README tables, in one go:
-# `benchmarks/gpu_run.sh [tests|kernels|main|quick|extra|flash|llada2|rollouts|quantized]` (llada2 needs diffusers,
-# quantized torchao installed).
+# `benchmarks/gpu_run.sh [tests|kernels|main|quick|extra|flash|llada2|rollouts|quantized|nf4]` (llada2 needs diffusers,
+# quantized torchao, nf4 bitsandbytes installed).
 # Runs from the repository root on a CUDA machine with torch, transformers, triton installed; writes logs to $OUT.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -36,9 +36,15 @@ for part in "${parts[@]}"; do
     quick)  # the main shapes without the (slow) reference loop
       bench --batch-size 1 --new-tokens 1024 --skip-reference
       bench --batch-size 128 --new-tokens 1024 --skip-reference ;;
-    quantized)  # weight-only quantization (torchao int8 / fp8) against bf16, batch 1 and 32
+    quantized)  # weight-only quantization (torchao int8 / fp8) against bf16, batch 1 and 32; int8 compiled too
       for q in none int8 fp8; do for b in 1 32; do
-        bench --batch-size "$b" --new-tokens 256 --quantization "$q" --skip-reference; done; done ;;
+        bench --batch-size "$b" --new-tokens 256 --quantization "$q" --skip-reference; done; done
+      bench --batch-size 1 --new-tokens 256 --quantization int8 --compile on --skip-reference ;;
+    nf4)  # bitsandbytes 4-bit quantizes while loading: a random SDAR-4B checkpoint written first
+      python3 -c "import torch; from hf_blockdiff.tools.bench import build_model
+build_model('sdar-4b', None, 'cuda', torch.bfloat16).save_pretrained('/tmp/sdar-4b-random')"
+      for b in 1 32; do bench --batch-size "$b" --new-tokens 256 --model /tmp/sdar-4b-random --quantization nf4 \
+        --skip-reference; done ;;
     rollouts)  # RL rollouts: 64 prompts x 8 samples at T = 1, shared K/V against repeated prompts
       bench --batch-size 64 --num-return-sequences 8 --prompt-len 1024 --new-tokens 256 --temperature 1.0
       bench --batch-size 64 --num-return-sequences 8 --prompt-len 1024 --new-tokens 256 --temperature 1.0 \

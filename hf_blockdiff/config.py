@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from .presets import preset_fields, preset_pins
+from .config_checks import check_against_profile, check_ids, check_modes, fail
+from .presets import preset_fields
 from .profiles import ALIGNMENTS, ATTENTIONS, ModelProfile
 from .strategies import STRATEGIES, strategy_names
 
@@ -22,10 +22,6 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flash_attn")
 
 # fields a model profile may fill in when the user leaves them unset
 PROFILE_FIELDS = ("mask_token_id", "block_size", "attention", "alignment", "logit_shift", "eos_token_id", "pad_token_id")
-
-
-def _fail(name: str, value: Any, fix: str) -> None:
-    raise ValueError(f"BlockDiffusionConfig.{name}={value!r} is invalid: {fix}")
 
 
 def _is_number(value: Any) -> bool:
@@ -50,6 +46,10 @@ class BlockDiffusionConfig:
     becomes fully activated (forced to make progress).
     alignment: "absolute" (blocks at multiples of B, prompt tail in the first block) or "prompt_end".
     attention: "block_causal" (exact KV cache) or "bidirectional" (full recompute).
+    prompt_attention: how the prompt positions before the first decode block see each other under block-causal
+    attention with absolute blocks: "block_causal" (a staircase of blocks, as SDAR trains) or "bidirectional" (one
+    block, as JetEngine prefills LLaDA-architecture checkpoints); None: block_causal there, bidirectional elsewhere
+    (prompt_end blocks and bidirectional models always see the prompt as one block).
     logit_shift: token i is predicted at position i-1.
     eos_token_id / pad_token_id / early_stop: stop ids, the id written after the first stop token, and whether a
     row ends once the block holding its first stop token is complete (then `pad_token_id` follows the stop token);
@@ -118,6 +118,7 @@ class BlockDiffusionConfig:
     decoded_token_threshold: float = 1.0
     alignment: str | None = None
     attention: str | None = None
+    prompt_attention: str | None = None
     logit_shift: bool | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -162,77 +163,78 @@ class BlockDiffusionConfig:
         for field in dataclasses.fields(self):  # inf/nan settings would make no step commit anything
             value = getattr(self, field.name)
             if isinstance(value, float) and not math.isfinite(value):
-                _fail(field.name, value, "pass a finite number")
+                fail(field.name, value, "pass a finite number")
         for name in ("block_size", "steps_per_block", "max_new_tokens", "max_active_blocks", "page_size",
                      "max_cache_tokens"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value <= 0):
-                _fail(name, value, "pass a positive integer")
+                fail(name, value, "pass a positive integer")
         if self.page_size & (self.page_size - 1):
-            _fail("page_size", self.page_size, "pass a power of two (16, 32, 64, ...)")
+            fail("page_size", self.page_size, "pass a power of two (16, 32, 64, ...)")
         for name, low in (("max_forwards", 1), ("max_repeat_run", 2)):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < low):
-                _fail(name, value, f"pass an integer ≥ {low}, or None for no limit")
+                fail(name, value, f"pass an integer ≥ {low}, or None for no limit")
         if self.max_repeat_run is not None and self.eos_fill:
-            _fail("max_repeat_run", self.max_repeat_run, "a repeated run is cut with the pad id, which eos_fill "
+            fail("max_repeat_run", self.max_repeat_run, "a repeated run is cut with the pad id, which eos_fill "
                   "replaces with stop ids: pass one of max_repeat_run and eos_fill")
         tokens = self.prefix_cache_tokens
         if not _is_int(tokens) or tokens < 0:
-            _fail("prefix_cache_tokens", tokens, "pass a number of tokens (0 turns the prefix store off)")
+            fail("prefix_cache_tokens", tokens, "pass a number of tokens (0 turns the prefix store off)")
         if self.mask_token_id is not None and (not isinstance(self.mask_token_id, int) or self.mask_token_id < 0):
-            _fail("mask_token_id", self.mask_token_id, "pass the non-negative id of the mask token")
+            fail("mask_token_id", self.mask_token_id, "pass the non-negative id of the mask token")
         if self.strategy not in STRATEGIES:
-            _fail("strategy", self.strategy, f"choose one of {', '.join(strategy_names())}")
+            fail("strategy", self.strategy, f"choose one of {', '.join(strategy_names())}")
         if self.threshold is not None:
             low, high = STRATEGIES[self.strategy].threshold_range
             if not (isinstance(self.threshold, (int, float)) and low <= self.threshold <= high):
-                _fail("threshold", self.threshold, f"strategy {self.strategy!r} needs a threshold in [{low}, {high}]")
+                fail("threshold", self.threshold, f"strategy {self.strategy!r} needs a threshold in [{low}, {high}]")
         if self.fallback not in FALLBACKS:
-            _fail("fallback", self.fallback, f"choose one of {', '.join(FALLBACKS)}")
+            fail("fallback", self.fallback, f"choose one of {', '.join(FALLBACKS)}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            _fail("temperature", self.temperature, "pass 0 for greedy decoding or a positive float to sample")
+            fail("temperature", self.temperature, "pass 0 for greedy decoding or a positive float to sample")
         if not isinstance(self.top_k, int):
-            _fail("top_k", self.top_k, "pass an integer (≤ 0 disables top-k)")
+            fail("top_k", self.top_k, "pass an integer (≤ 0 disables top-k)")
         if not isinstance(self.top_p, (int, float)) or self.top_p <= 0:
-            _fail("top_p", self.top_p, "pass a float in (0, 1] (1 disables top-p)")
+            fail("top_p", self.top_p, "pass a float in (0, 1] (1 disables top-p)")
         self._validate_modes()
 
     def _validate_modes(self) -> None:
         for name in ("block_add_threshold", "decoded_token_threshold"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-                _fail(name, value, "pass a block progress fraction in [0, 1]")
+                fail(name, value, "pass a block progress fraction in [0, 1]")
         if self.alignment is not None and self.alignment not in ALIGNMENTS:
-            _fail("alignment", self.alignment, f"choose one of {', '.join(ALIGNMENTS)}")
-        if self.attention is not None and self.attention not in ATTENTIONS:
-            _fail("attention", self.attention, f"choose one of {', '.join(ATTENTIONS)}")
+            fail("alignment", self.alignment, f"choose one of {', '.join(ALIGNMENTS)}")
+        for name in ("attention", "prompt_attention"):
+            if getattr(self, name) is not None and getattr(self, name) not in ATTENTIONS:
+                fail(name, getattr(self, name), f"choose one of {', '.join(ATTENTIONS)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            _fail("attention_backend", self.attention_backend, f"choose one of {', '.join(ATTENTION_BACKENDS)}")
+            fail("attention_backend", self.attention_backend, f"choose one of {', '.join(ATTENTION_BACKENDS)}")
         for name, allowed in (("confidence", CONFIDENCE_SOURCES), ("approx_cache", APPROX_CACHES),
                               ("score_precision", SCORE_PRECISIONS), ("forced_token_scope", FORCED_TOKEN_SCOPES)):
             if getattr(self, name) not in allowed:
-                _fail(name, getattr(self, name), f"choose one of {', '.join(allowed)}")
+                fail(name, getattr(self, name), f"choose one of {', '.join(allowed)}")
         if self.forced_token_scope != "lowest_full_block" and not STRATEGIES[self.strategy].forced_top1:
-            _fail("forced_token_scope", self.forced_token_scope, f"strategy {self.strategy!r} has no forced token "
+            fail("forced_token_scope", self.forced_token_scope, f"strategy {self.strategy!r} has no forced token "
                   "taken when none passes; choose 'lowest_full_block' or a strategy such as entropy_threshold")
         for name, low in (("repetition_penalty", 0.0), ("entropy_budget", 0.0), ("factor", 0.0), ("dream_eps", 0.0)):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= low:
-                _fail(name, value, f"pass a number > {low}")
+                fail(name, value, f"pass a number > {low}")
         if not isinstance(self.relative_alpha, (int, float)) or not 0.0 < self.relative_alpha <= 1.0:
-            _fail("relative_alpha", self.relative_alpha, "pass α in (0, 1]")
+            fail("relative_alpha", self.relative_alpha, "pass α in (0, 1]")
         if not isinstance(self.cfg_scale, (int, float)) or self.cfg_scale < 0:
-            _fail("cfg_scale", self.cfg_scale, "pass 0 (off) or a positive guidance scale")
+            fail("cfg_scale", self.cfg_scale, "pass 0 (off) or a positive guidance scale")
         if self.add_activation_threshold is not None and not 0.0 <= self.add_activation_threshold <= 1.0:
-            _fail("add_activation_threshold", self.add_activation_threshold, "pass a progress fraction in [0, 1]")
+            fail("add_activation_threshold", self.add_activation_threshold, "pass a progress fraction in [0, 1]")
         if self.sub_block_size is not None and (
             not isinstance(self.sub_block_size, int) or self.sub_block_size <= 0
             or (self.block_size is not None and self.block_size % self.sub_block_size)
         ):
-            _fail("sub_block_size", self.sub_block_size, "pass a positive divisor of block_size")
+            fail("sub_block_size", self.sub_block_size, "pass a positive divisor of block_size")
         if self.sub_block_size is not None and (self.fused_store or self.attention == "bidirectional"):
-            _fail("sub_block_size", self.sub_block_size, "sub-blocks are Fast-dLLM v2's decoding: they need "
+            fail("sub_block_size", self.sub_block_size, "sub-blocks are Fast-dLLM v2's decoding: they need "
                   "attention='block_causal' and fused_store=False (or use the fast_dllm_v2 preset)")
         self._validate_switches()
         self._validate_editing()
@@ -240,10 +242,10 @@ class BlockDiffusionConfig:
     def _validate_editing(self) -> None:
         value = self.editing_threshold
         if value is not None and (not _is_number(value) or not 0.0 < value <= 1.0):
-            _fail("editing_threshold", value, "pass a confidence in (0, 1], or None to turn editing off")
+            fail("editing_threshold", value, "pass a confidence in (0, 1], or None to turn editing off")
         steps = self.max_post_steps
         if not _is_int(steps) or steps < 0:
-            _fail("max_post_steps", steps, "pass a non-negative integer (refinement steps after a block is filled)")
+            fail("max_post_steps", steps, "pass a non-negative integer (refinement steps after a block is filled)")
         rules = (("remask_threshold", self.remask_threshold is not None, "pass a confidence in (0, 1], or None to "
                   "turn remasking off", lambda v: v is None or (_is_number(v) and 0.0 < v <= 1.0)),
                  ("stability_threshold", self.stability_threshold != 1.0, "pass a fraction in [0, 1] (1: a block "
@@ -252,26 +254,26 @@ class BlockDiffusionConfig:
                   lambda v: _is_number(v) and v >= 0))
         for name, used, fix, valid in rules:
             if not valid(getattr(self, name)):
-                _fail(name, getattr(self, name), fix)
+                fail(name, getattr(self, name), fix)
             if used and self.editing_threshold is None:
-                _fail(name, getattr(self, name), "it is a rule of editable decoding: set editing_threshold too (or "
+                fail(name, getattr(self, name), "it is a rule of editable decoding: set editing_threshold too (or "
                       "use the diffulex_edit preset)")
 
     def _validate_switches(self) -> None:
         for name in ("early_stop", "fused_store", "first_token_on_store", "eos_fill"):
             if not isinstance(getattr(self, name), bool):
-                _fail(name, getattr(self, name), "pass True or False")
+                fail(name, getattr(self, name), "pass True or False")
         for name in ("cuda_graphs", "compile"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                _fail(name, getattr(self, name), "pass True, False or None (automatic)")
+                fail(name, getattr(self, name), "pass True, False or None (automatic)")
         if self.logits_processor is not None and not callable(self.logits_processor):
-            _fail("logits_processor", self.logits_processor, "pass a transformers LogitsProcessorList")
+            fail("logits_processor", self.logits_processor, "pass a transformers LogitsProcessorList")
         eos = self.eos_token_id
         if eos is not None and not (
             (isinstance(eos, int) and eos >= 0)
             or (isinstance(eos, (list, tuple)) and all(isinstance(e, int) and e >= 0 for e in eos))
         ):
-            _fail("eos_token_id", eos, "pass a token id or a list of token ids")
+            fail("eos_token_id", eos, "pass a token id or a list of token ids")
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -291,17 +293,6 @@ class BlockDiffusionConfig:
     @property
     def strict_threshold(self) -> bool:
         return STRATEGIES[self.strategy].strict if self.threshold_strict is None else self.threshold_strict
-
-    def _check_prefix_store(self) -> None:
-        if not self.prefix_cache_tokens:
-            return
-        if self.attention != "block_causal" or self.alignment not in (None, "absolute"):
-            _fail("prefix_cache_tokens", self.prefix_cache_tokens, "prefixes are exact and reusable only under "
-                  "block-causal attention with absolute blocks: pass 0 for this mode")
-        unit = math.lcm(self.page_size, self.block_size)
-        if self.prefix_cache_tokens < unit:
-            _fail("prefix_cache_tokens", self.prefix_cache_tokens, f"it holds no unit of reuse (lcm(page_size, "
-                  f"block_size) = {unit} tokens): pass at least {unit}, or 0 to turn the store off")
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "BlockDiffusionConfig":
@@ -335,25 +326,13 @@ class BlockDiffusionConfig:
                 "This model has no block-diffusion profile: pass BlockDiffusionConfig(attention='block_causal' or "
                 "'bidirectional') (and alignment/logit_shift if they differ from the defaults)."
             )
-        cfg._check_against_profile(profile)
-        if cfg.approx_cache != "none" and (cfg.attention != "bidirectional" or cfg.max_active_blocks != 1):
-            _fail("approx_cache", cfg.approx_cache, "approximate caches need attention='bidirectional' and "
-                  "max_active_blocks=1; block-causal models have an exact cache")
-        if cfg.cfg_scale > 0 and (cfg.attention != "bidirectional" or cfg.approx_cache != "none"):
-            _fail("cfg_scale", cfg.cfg_scale, "classifier-free guidance needs attention='bidirectional' and no "
-                  "approximate cache")
-        if cfg.editing_threshold is not None and (
-            cfg.attention != "block_causal" or cfg.max_active_blocks != 1 or not cfg.fused_store
-            or cfg.sub_block_size or cfg.first_token_on_store
-        ):
-            _fail("editing_threshold", cfg.editing_threshold, "editing refines the one active block of block-causal "
-                  "decoding: it needs attention='block_causal', max_active_blocks=1 and fused_store=True, without "
-                  "sub-blocks (or pass editing_threshold=None)")
-        cfg._check_prefix_store()
-        if cfg.first_token_on_store and (cfg.fused_store or not cfg.logit_shift):
-            _fail("first_token_on_store", True, "it needs fused_store=False and logit_shift=True (Fast-dLLM v2)")
+        check_against_profile(cfg, profile)
         if cfg.alignment is None:
             cfg.alignment = "absolute" if cfg.attention == "block_causal" else "prompt_end"
+        if cfg.prompt_attention is None:
+            staircase = cfg.attention == "block_causal" and cfg.alignment == "absolute"
+            cfg.prompt_attention = "block_causal" if staircase else "bidirectional"
+        check_modes(cfg)
         if cfg.logit_shift is None:
             cfg.logit_shift = False
         if cfg.steps_per_block is None:
@@ -363,34 +342,5 @@ class BlockDiffusionConfig:
         if isinstance(cfg.eos_token_id, tuple):
             cfg.eos_token_id = list(cfg.eos_token_id)
         cfg._validate()
-        cfg._check_ids(vocab_size)
+        check_ids(cfg, vocab_size)
         return cfg
-
-    def _check_against_profile(self, profile: ModelProfile) -> None:
-        """A model fact (attention, alignment, logit shift) that contradicts the model's profile: an error when a
-        preset pinned it, a warning when the user set it (an explicit override stays allowed)."""
-        pinned = preset_pins(self.preset)
-        for name in ("attention", "alignment", "logit_shift"):
-            value, fact = getattr(self, name), getattr(profile, name)
-            if fact is None or value is None or value == fact:
-                continue
-            if name in pinned and pinned[name] == value:
-                raise ValueError(
-                    f"Preset {self.preset!r} decodes with {name}={value!r} but this model's profile has {name}={fact!r}: "
-                    f"choose a preset for such models, or override it: from_preset({self.preset!r}, {name}={fact!r})."
-                )
-            warnings.warn(f"BlockDiffusionConfig.{name}={value!r} overrides this model's {name}={fact!r}: decoding "
-                          "differs from how the model was trained.", stacklevel=4)
-
-    def _check_ids(self, vocab_size: int | None) -> None:
-        """The mask, stop and pad ids (set here or taken from the profile) exist and do not collide."""
-        if self.mask_token_id in self.stop_ids:
-            _fail("mask_token_id", self.mask_token_id, f"it is also a stop id (eos_token_id={self.eos_token_id}): "
-                  "every undecided position would read as a stop; pass the model's own mask id")
-        if vocab_size is None:
-            return
-        for name, ids in (("mask_token_id", [self.mask_token_id]), ("eos_token_id", list(self.stop_ids)),
-                          ("pad_token_id", [self.pad_token_id])):
-            if any(not 0 <= i < vocab_size for i in ids):
-                _fail(name, getattr(self, name), f"the model's vocabulary has {vocab_size} ids, [0, {vocab_size}) "
-                      "(a value not passed here comes from the model's profile): pass the checkpoint's own id")

@@ -18,6 +18,7 @@ class Preset:
     summary: str
     source: str
     derived: dict = field(default_factory=dict)  # field -> another field whose value it takes when not given
+    made_for: dict = field(default_factory=dict)  # profile facts of the checkpoints it decodes, where it differs
 
 
 # d3LLM's multi-block decoders (docs/design.md, "Presets"): what its Dream and LLaDA loops share. No attention:
@@ -98,6 +99,16 @@ PRESETS: dict[str, Preset] = {
         "its (32 + 16)-th step commits what is left",
         "Diffulex LLaDA2 edit sampler (sampling_mode='edit': accept_threshold=0.9, edit_threshold=0, "
         "max_post_edit_steps=16) + DMax remask_threshold=0.4 (docs/design.md, \"Presets\")",
+    ),
+    "dllm_var": Preset(
+        dict(attention="block_causal", alignment="absolute", prompt_attention="bidirectional", logit_shift=False,
+             block_size=64, strategy="low_confidence_dynamic", threshold=0.9, fallback="topk", fused_store=False),
+        "dLLM-Var (a LLaDA checkpoint) as JetEngine serves it: absolute blocks of 64 with the exact cache, the "
+        "prompt's whole blocks prefilled seeing each other, {c > 0.9} else the most confident, one store forward "
+        "per block",
+        "JetEngine LLM(mask_token_id=126336, block_length=64) + SamplingParams(remasking_strategy="
+        "'low_confidence_dynamic', dynamic_threshold=0.9, denoising_steps=64) (docs/design.md, \"Presets\")",
+        made_for=dict(attention="bidirectional", alignment="prompt_end"),  # LLaDA's profile: same model_type
     ),
 }
 

@@ -1,7 +1,8 @@
 """Models loaded with transformers' quantization on the fast path (docs/design.md, "Around the loop").
 
 torchao weights (int8 / fp8 weight-only: tensor subclasses that torch.compile and CUDA graphs trace) run the fast
-path unchanged. bitsandbytes 4-bit layers call bitsandbytes' own kernels, which neither torch.compile nor graph
+path; its int8 weight-only tensors run slower compiled than eager (measured on an H200, README "Quantized
+weights"), so compiling the decoder layers is off by default for them, with one log line. bitsandbytes 4-bit layers call bitsandbytes' own kernels, which neither torch.compile nor graph
 capture is known to take: those two are turned off for such a model, with one log line saying so. Other methods
 are refused before any forward. LoRA pre-merge refuses quantized base weights (merging into them cannot be undone
 bit-exactly).
@@ -14,6 +15,9 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 FAST_PATH_METHODS = ("torchao", "bitsandbytes")
+# torchao weight types whose decoder layers decode slower compiled than eager inside CUDA graphs (SDAR-4B shapes on
+# an H200, 2026-11-23: batch 1 at 7.8 tok/s compiled against 61.3 uncompiled)
+SLOW_COMPILED_WEIGHTS = ("Int8Tensor",)
 
 
 def quantization_method(model) -> str | None:
@@ -40,6 +44,18 @@ def traceable(model) -> bool:
     logger.warning_once("bitsandbytes-quantized weights: CUDA graphs and torch.compile of the decoder layers are "
                         "turned off for this model (its kernels are not known to be capturable).")
     return False
+
+
+def compiles_well(model) -> bool:
+    """Whether compiling the decoder layers is on by default for the model's weights (False logs, once, why not)."""
+    if not traceable(model):
+        return False
+    slow = sorted({type(p).__name__ for p in model.parameters()} & set(SLOW_COMPILED_WEIGHTS))
+    if slow:
+        logger.warning_once(f"torchao {', '.join(slow)} weights: torch.compile of the decoder layers is off by default "
+                            "(slower than eager for these weights); pass BlockDiffusionConfig(compile=True) to force it.")
+        return False
+    return True
 
 
 def is_quantized_weight(weight) -> bool:

@@ -60,12 +60,16 @@ def top_positions(score: dict[int, float], n: int, largest: bool = True) -> list
 
 
 def sdar_reference(model, prompt, mask_id, block, steps, new, strategy, threshold=0.9, fallback="topk",
-                   stop_ids=(), pad=0, record=None):
+                   stop_ids=(), pad=0, record=None, whole_prompt=False):
     """SDAR generate.py: absolute blocks, staircase prefill of ⌊P/B⌋·B tokens, prompt tail in the first block,
     read-only denoise forwards, one store forward per block, stop checked after each block.
-    `record` (a dict) receives position → (1-based forward index, probability, entropy) of each committed token."""
+    `record` (a dict) receives position → (1-based forward index, probability, entropy) of each committed token.
+    `whole_prompt`: the ⌊P/B⌋·B prefilled tokens see each other (JetEngine's LLaDA prefill) instead of a staircase."""
     p = len(prompt)
     total = math.ceil((p + new) / block) * block
+    allowed = staircase(total, p, block, "absolute")
+    if whole_prompt:
+        allowed[: p // block * block, : p // block * block] = True
     x = torch.full((total,), mask_id, dtype=torch.long)
     x[:p] = prompt
     forwards = 1 if p // block > 0 else 0
@@ -77,7 +81,7 @@ def sdar_reference(model, prompt, mask_id, block, steps, new, strategy, threshol
             forwards += 1
             if not masked:
                 break  # the store forward
-            logits = full_logits(model, x[:hi], staircase(hi, p, block, "absolute"), mask_id, False)
+            logits = full_logits(model, x[:hi], allowed[:hi, :hi], mask_id, False)
             probs = torch.softmax(logits, -1)
             proposal = {i: int(logits[i].argmax()) for i in masked}
             confidence = {i: float(probs[i, proposal[i]]) for i in masked}

@@ -36,6 +36,7 @@ def generate(model, prompts, **settings):
     dict(attention="block_causal", editing_threshold=0.5, remask_threshold=0.3, stability_threshold=0.5,
          edit_penalty=1.0, max_post_steps=2),  # LLaDA2.1 / Diffulex edit: remasks, edits, refinement steps
     dict(attention="block_causal", max_forwards=5, max_repeat_run=4),  # request limits, inside the captured step
+    dict(attention="block_causal", fused_store=False, prompt_attention="bidirectional"),  # dllm_var's prefill
 ])
 def test_triton_graphs_and_compile_equal_eager_sdpa_fp32(mode):
     model = tiny_model("qwen3").to(CUDA)

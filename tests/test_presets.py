@@ -42,6 +42,14 @@ def test_sdar_preset(qwen3):
           lambda p: sdar_reference(qwen3, p, MASK, 4, 4, 12, "low_confidence_dynamic", 0.6))
 
 
+def test_dllm_var_preset(qwen3):
+    """The sdar loop whose prefilled prompt blocks see each other (prompts 8 and 11: two whole blocks)."""
+    cfg = BlockDiffusionConfig.from_preset("dllm_var", mask_token_id=MASK, block_size=4, max_new_tokens=12,
+                                           threshold=0.6, eos_token_id=[])
+    check(qwen3, random_prompts(PROMPTS, 1), cfg, lambda p: sdar_reference(
+        qwen3, p, MASK, 4, 4, 12, "low_confidence_dynamic", 0.6, whole_prompt=True))
+
+
 @pytest.mark.parametrize("remasking", ["low_confidence", "random"])
 def test_llada_preset_greedy(qwen3, remasking):
     strategy = "low_confidence_static" if remasking == "low_confidence" else "random"
@@ -241,6 +249,14 @@ def test_preset_errors(qwen3):
         BlockDiffusionConfig.from_preset("sdar", threshold=2.0)
     with pytest.raises(ValueError, match="forced_token_scope='all_active' is invalid: strategy 'sequential'"):
         BlockDiffusionConfig.from_preset("d3llm_llada", strategy="sequential")
+    prompt = torch.randint(0, 50, (1, 6))
+    for fields, name in ((dict(prompt_attention="block_causal", alignment="prompt_end"), "prompt_attention"),
+                         (dict(prompt_attention="bidirectional", prefix_cache_tokens=64), "prefix_cache_tokens")):
+        with pytest.raises(ValueError, match=f"BlockDiffusionConfig.{name}=.* is invalid"):
+            qwen3.generate_multi_block(prompt, BlockDiffusionConfig(mask_token_id=MASK, block_size=4,
+                                                                    attention="block_causal", **fields))
+    with pytest.raises(ValueError, match="prompt_attention='causal' is invalid: choose one of block_causal"):
+        BlockDiffusionConfig(prompt_attention="causal")
     with attention_profile(qwen3, "bidirectional"):
         cfg = BlockDiffusionConfig.from_preset("sdar", mask_token_id=MASK, block_size=4)
         with pytest.raises(ValueError, match="Preset 'sdar' decodes with attention='block_causal' but this model's "

@@ -16,7 +16,7 @@ import torch
 from ..attention import ATTENTION_NAME, AttentionBackend
 from ..config import BlockDiffusionConfig
 from ..kernels.rmsnorm import rms_norm
-from ..quantization import traceable
+from ..quantization import compiles_well
 from ..tensor_parallel import tensor_parallel_size
 
 # transformers' RMSNorm classes whose forward is exactly kernels.rmsnorm.rms_norm_reference
@@ -25,11 +25,12 @@ STOCK_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSN
 
 def fusion_for(cfg: BlockDiffusionConfig, backend: AttentionBackend, graphs: bool, device: torch.device,
                model) -> str:
-    """"compile" (config `compile`, by default on with CUDA graphs unless tensor-parallel or bitsandbytes-quantized),
+    """"compile" (config `compile`, by default on with CUDA graphs unless tensor-parallel or quantized to weights that
+    compile badly: bitsandbytes, torchao int8),
     else "norms" beside a backend that fuses them, else "none"."""
     compile_ = cfg.compile
     if compile_ is None:
-        compile_ = graphs and device.type == "cuda" and tensor_parallel_size(model) == 1 and traceable(model)
+        compile_ = graphs and device.type == "cuda" and tensor_parallel_size(model) == 1 and compiles_well(model)
     return "compile" if compile_ else "norms" if backend.fuses_norms else "none"
 
 

@@ -140,11 +140,12 @@ class DecodeState:
 
     def key_limit(self, rows: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Block-causal rule: the end of the block holding `position` ([len(rows), X]). The prefix before the
-        first decode block is a staircase of blocks from position 0 (absolute) or one block (prompt_end)."""
+        first decode block is a staircase of blocks from position 0 (prompt_attention block_causal, absolute blocks)
+        or one block."""
         size = self.block_size
         first = self.first_block_start[rows][:, None]
         in_prefix = position < first
-        if self.cfg.alignment == "absolute":
+        if self.cfg.prompt_attention == "block_causal":
             prefix_end = (position // size + 1) * size
         else:
             prefix_end = first.expand_as(position)

@@ -54,6 +54,31 @@ def test_llada_family(tmp_path):
         assert decode(model, cfg, prompt)[0].tolist() == expected[0].tolist()
 
 
+def test_dllm_var_preset_on_a_llada_checkpoint(tmp_path):
+    """dLLM-Var is a LLaDA checkpoint decoded as JetEngine serves it: block-causal with the cache, absolute blocks,
+    the prompt's whole blocks prefilled seeing each other; one batch equals the plain loop prompt by prompt."""
+    model = load(tmp_path, "llada", llada_config())
+    cfg = BlockDiffusionConfig.from_preset("dllm_var", block_size=4, max_new_tokens=12, threshold=0.5)
+    stop_ids, pad, resolved = stops(model, cfg)
+    assert (resolved.attention, resolved.alignment, resolved.prompt_attention) == ("block_causal", "absolute",
+                                                                                  "bidirectional")
+    assert (resolved.mask_token_id, stop_ids) == (MASK, (94,))  # the LLaDA profile's, from the checkpoint config
+    prompts = PROMPTS + [torch.tensor([11, 4, 70, 6, 19, 52, 3, 27, 45, 8, 30])]
+    expected = [sdar_reference(model, p, MASK, 4, 4, 12, "low_confidence_dynamic", 0.5, stop_ids=stop_ids, pad=pad,
+                               whole_prompt=True) for p in prompts]
+    staircase = [sdar_reference(model, p, MASK, 4, 4, 12, "low_confidence_dynamic", 0.5, stop_ids=stop_ids,
+                                pad=pad) for p in prompts]
+    assert any(e[0].tolist() != s[0].tolist() for e, s in zip(expected, staircase))  # the prefill rule shows
+    for prompt, (tokens, forwards) in zip(prompts, expected):
+        got, got_forwards = decode(model, cfg, prompt)
+        assert (got.tolist(), got_forwards) == (tokens.tolist(), forwards)
+    width = max(len(p) for p in prompts)
+    batch = torch.stack([torch.cat([torch.full((width - len(p),), pad), p]) for p in prompts])
+    attention_mask = torch.stack([torch.arange(width) >= width - len(p) for p in prompts]).long()
+    out = model.generate_multi_block(batch, cfg, attention_mask=attention_mask)
+    assert [row.tolist() for row in out[:, width:]] == [e[0].tolist() for e in expected]
+
+
 def test_dream_family(tmp_path):
     model = load(tmp_path, "dream", dream_config())
     cfg = BlockDiffusionConfig.from_preset("dream", max_new_tokens=10, steps_per_block=5, eos_token_id=[])
