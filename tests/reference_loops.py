@@ -17,11 +17,13 @@ def full_logits(model, tokens: torch.Tensor, allowed: torch.Tensor, mask_id: int
     """fp32 logits [L, V] of a 1-D token sequence under the boolean attention rule allowed[query, key]."""
     length = len(tokens)
     bias = torch.zeros(1, 1, length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    device = model.device  # the loop's tensors stay on the CPU; a GPU model sees copies
     with torch.no_grad():
-        logits = model(input_ids=tokens[None], attention_mask=bias, position_ids=torch.arange(length)[None]).logits[0]
+        logits = model(input_ids=tokens[None].to(device), attention_mask=bias.to(device),
+                       position_ids=torch.arange(length, device=device)[None]).logits[0]
     if shift:
         logits = torch.cat([logits[:1], logits[:-1]], dim=0)
-    logits = logits.float().clone()
+    logits = logits.float().cpu()
     if mask_id is not None:
         logits[:, mask_id] = float("-inf")
     return logits

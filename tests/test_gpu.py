@@ -95,6 +95,28 @@ def test_quantized_weights_under_graphs_and_compile(quantization, dtype):
     assert agreement == 1.0 if dtype == torch.float32 else agreement >= 0.9
 
 
+
+def test_bitsandbytes_nf4_decodes_as_the_reference_loop(tmp_path):
+    """A model loaded with bitsandbytes 4-bit (nf4, fp32 compute) decodes, graphs and compile turned off, the tokens
+    the plain loop gets from the same quantized model."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from reference_loops import sdar_reference
+
+    tiny_model("qwen3").save_pretrained(tmp_path)
+    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantized, dtype=torch.float32,
+                                                 device_map="cuda").eval()
+    assert type(model.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
+    prompts = random_prompts((9, 4, 13), seed=35)
+    settings = dict(attention="block_causal", fused_store=False, strategy="low_confidence_dynamic")
+    out = generate(model, prompts, **settings).sequences[:, -16:].cpu()
+    plain = generate(tiny_model("qwen3").to(CUDA), prompts, **settings).sequences[:, -16:].cpu()
+    assert not torch.equal(out, plain)  # the nf4 weights decode differently: the model under test is quantized
+    for row, prompt in enumerate(prompts):
+        tokens, _ = sdar_reference(model, prompt, MASK, 4, 4, 16, "low_confidence_dynamic", 0.6)
+        assert out[row].tolist() == tokens.tolist()
+
 def test_graphs_are_reused_across_calls_and_freed():
     model = tiny_model("qwen3").to(CUDA)
     prompts = random_prompts((9, 4, 6), seed=32)
