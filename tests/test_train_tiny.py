@@ -1,8 +1,13 @@
+import dataclasses
+
+import pytest
 import torch
 from transformers import AutoTokenizer
 
 from hf_blockdiff.tools import tasks
 from hf_blockdiff.tools.train_tiny import (
+    PRESETS,
+    STATE_FILE,
     TinyModelConfig,
     TrainConfig,
     add_noise,
@@ -11,6 +16,7 @@ from hf_blockdiff.tools.train_tiny import (
     build_model,
     encode,
     fit,
+    train,
     training_layout,
 )
 
@@ -83,12 +89,42 @@ def test_noise_never_masks_the_prompt():
 
 
 def test_training_is_deterministic_and_learns():
-    model_a, _, losses_a = fit(SMALL, seed=0, steps=60, log=None)
-    model_b, _, losses_b = fit(SMALL, seed=0, steps=60, log=None)
-    assert losses_a == losses_b
-    for (name, a), b in zip(model_a.state_dict().items(), model_b.state_dict().values()):
+    a, b = fit(SMALL, seed=0, steps=60, log=None), fit(SMALL, seed=0, steps=60, log=None)
+    assert a.losses == b.losses
+    for (name, weight_a), weight_b in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.equal(weight_a, weight_b), name
+    assert sum(a.losses[-20:]) / 20 < 0.7 * sum(a.losses[:20]) / 20
+
+
+def test_a_run_stopped_by_its_time_limit_resumes_bit_for_bit(tmp_path):
+    """Weights, optimizer, schedule, noise and data order all come back: 3 parts of a run equal it in one go."""
+    whole = fit(SMALL, seed=1, steps=12, log=None)
+    state = tmp_path / "state.pt"
+    parts = [fit(SMALL, seed=1, steps=12, log=None, state_path=state, max_seconds=limit) for limit in (0.0, 0.0, None)]
+    assert [len(part.losses) for part in parts] == [1, 2, 12]  # a part takes one step at least
+    assert parts[-1].losses == whole.losses
+    for (name, a), b in zip(whole.model.state_dict().items(), parts[-1].model.state_dict().values()):
         assert torch.equal(a, b), name
-    assert sum(losses_a[-20:]) / 20 < 0.7 * sum(losses_a[:20]) / 20
+    with pytest.raises(ValueError, match="holds a run with other arguments"):
+        fit(SMALL, seed=2, steps=12, log=None, state_path=state)
+
+
+def test_train_writes_the_checkpoint_only_when_the_run_is_done(tmp_path):
+    config = dataclasses.replace(SMALL, eval_size=8)
+    assert train(str(tmp_path), seed=0, steps=6, config=config, log=None, max_seconds=0.0) is None
+    assert (tmp_path / STATE_FILE).exists() and not (tmp_path / "config.json").exists()
+    metrics = train(str(tmp_path), seed=0, steps=6, config=config, log=None)
+    assert metrics.steps == 6 and len(metrics.losses) == 6
+    assert (tmp_path / "config.json").exists() and not (tmp_path / STATE_FILE).exists()
+
+
+def test_hard_preset_is_a_5_to_30m_model_of_the_hard_family():
+    preset = PRESETS["hard"]
+    model = build_model(preset.model, tasks.build_tokenizer(preset.task))
+    assert 5e6 <= sum(p.numel() for p in model.parameters()) <= 30e6
+    longest = tasks.FAMILIES["hard"].max_prompt_chars + tasks.FAMILIES["hard"].max_answer_chars + 1
+    assert longest <= preset.model.seq_len and preset.model.seq_len % preset.model.block_size == 0
+    assert len(tasks.build_tokenizer("hard")) <= preset.model.vocab_size
 
 
 def test_training_view_is_the_decoding_view():

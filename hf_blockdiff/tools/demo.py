@@ -16,7 +16,7 @@ from ..config import BlockDiffusionConfig
 from ..assets import demo_model_path
 from ..strategies import strategy_names
 from .tasks import make_problems, solve
-from .train_tiny import DEFAULT_STEPS, train
+from .train_tiny import DEFAULT_STEPS, PRESETS as TRAIN_PRESETS, train
 
 DEMO_SEED = 1234
 NEW_TOKENS = 8
@@ -78,8 +78,11 @@ def run_train_tiny(args) -> None:
     from dataclasses import asdict
 
     torch.set_num_threads(args.threads)
-    metrics = train(args.out, seed=args.seed, steps=args.steps, device=args.device)
-    print(json.dumps({k: v for k, v in asdict(metrics).items() if k != "losses"}, indent=2))
+    max_seconds = None if args.max_minutes is None else 60 * args.max_minutes
+    metrics = train(args.out, seed=args.seed, steps=args.steps, device=args.device, config=TRAIN_PRESETS[args.preset],
+                    max_seconds=max_seconds)
+    if metrics is not None:
+        print(json.dumps({k: v for k, v in asdict(metrics).items() if k != "losses"}, indent=2))
 
 
 def add_parsers(commands) -> None:
@@ -99,4 +102,9 @@ def add_parsers(commands) -> None:
     train.add_argument("--threads", type=int, default=2,
                        help="torch threads; results are exact per thread count (default: %(default)s)")
     train.add_argument("--device", default="cpu", help="device to train on (default: %(default)s)")
+    train.add_argument("--preset", default="demo", choices=list(TRAIN_PRESETS),
+                       help="task family and model size: demo (the bundled CPU model) or hard (11.4 M parameters, the "
+                       "hard task family, for a GPU) (default: %(default)s)")
+    train.add_argument("--max-minutes", type=float, help="stop after this long, leaving the run's state in --out; the "
+                       "same command resumes it (default: no limit)")
     train.set_defaults(run=run_train_tiny)

@@ -1,16 +1,24 @@
-"""Synthetic task of the demo model: short problems whose answers are checked exactly.
+"""Synthetic tasks of the demo models: problems whose answers are checked exactly, in two families.
 
-Three kinds of problem, each a prompt that ends with "=" and a short answer (the model writes the answer, then
-`<eos>`):
+Each problem is a prompt that ends with "=" and an answer (the model writes the answer, then `<eos>`). The trailing
+"=" marks where the answer starts, which the model cannot otherwise tell when the first answer characters are
+already unmasked (the prompt tail and the answer share a block).
 
-    add   "57+38="        -> "95"        operands 0-99
-    sort  "sort 53912="   -> "12359"     2-6 digits, ascending
-    rev   "rev hello="    -> "olleh"     2-6 lowercase letters, reversed
+`demo` (the bundled CPU model; a ~2M-parameter model learns it to ~99 % on two CPU cores in minutes):
 
-Prompts are 4 to 12 characters and answers 1 to 6. The trailing "=" marks where the answer starts, which the model
-cannot otherwise tell when the first answer characters are already unmasked (the prompt tail and the answer share
-a block). The sizes are what a ~2M-parameter model learns to ~99 % on two CPU cores in minutes: 3-4 digit addition
-(most significant digit first) or 8-item lists need several times more training.
+    add        "57+38="              -> "95"            operands 0-99
+    sort       "sort 53912="         -> "12359"         2-6 digits, ascending
+    rev        "rev hello="          -> "olleh"         2-6 lowercase letters, reversed
+
+`hard` (answers of 1 to 36 tokens, most 4 or more, whose characters depend on each other, so decoding several at
+once can go wrong: carries run against the writing direction, a running sum depends on everything before it):
+
+    long_add   "48213+907="          -> "49120"         operands of 3-12 digits
+    mul        "4821*37="            -> "178377"        3-6 digits times 1-3 digits
+    long_sort  "sort 5391205518="    -> "0112355589"    10-36 digits
+    uniq       "uniq 53912055183="   -> "0123589"       8-30 digits, their distinct digits ascending
+    cumsum     "cumsum 53912="       -> "58780"         4-36 digits, each output digit the running sum mod 10
+    close      "close ([{(="         -> ")}])"          4-20 opening brackets, the sequence that closes them
 
 Splits: a problem belongs to `held_out` when the hash of its prompt falls in a fixed tenth of the hash range,
 else to `train`; the answer is a function of the prompt, so the splits never share a problem."""
@@ -21,32 +29,90 @@ import hashlib
 import random
 import string
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerFast
 
 from ..config import BlockDiffusionConfig
 
-KINDS = ("add", "sort", "rev")
 SPLITS = ("train", "held_out")
-MAX_ADD_DIGITS = 2
-MAX_LIST_LEN = 6
-MAX_PROMPT_CHARS = len("sort ") + MAX_LIST_LEN + len("=")
-MAX_ANSWER_CHARS = MAX_LIST_LEN
-
 PAD, EOS, MASK, UNK = "<pad>", "<eos>", "<mask>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, MASK, UNK)  # ids 0..3, in this order
-ALPHABET = " +=" + string.digits + string.ascii_lowercase
+ALPHABET = " +=" + string.digits + string.ascii_lowercase  # the demo family's; the hard one appends its own
+OPENING, CLOSING = "([{", ")]}"
+
+
+def _digits(rng: random.Random, low: int, high: int) -> str:
+    return "".join(rng.choices(string.digits, k=rng.randint(low, high)))
+
+
+def _number(rng: random.Random, low: int, high: int) -> int:
+    return int(_digits(rng, low, high))
+
+
+SAMPLERS: dict[str, Callable[[random.Random], str]] = {
+    "add": lambda rng: f"{rng.randrange(100)}+{rng.randrange(100)}=",
+    "sort": lambda rng: f"sort {_digits(rng, 2, 6)}=",
+    "rev": lambda rng: "rev " + "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 6))) + "=",
+    "long_add": lambda rng: f"{_number(rng, 3, 12)}+{_number(rng, 3, 12)}=",
+    "mul": lambda rng: f"{_number(rng, 3, 6)}*{_number(rng, 1, 3)}=",
+    "long_sort": lambda rng: f"sort {_digits(rng, 10, 36)}=",
+    "uniq": lambda rng: f"uniq {_digits(rng, 8, 30)}=",
+    "cumsum": lambda rng: f"cumsum {_digits(rng, 4, 36)}=",
+    "close": lambda rng: "close " + "".join(rng.choices(OPENING, k=rng.randint(4, 20))) + "=",
+}
+
+
+@dataclass(frozen=True)
+class TaskFamily:
+    kinds: tuple[str, ...]
+    alphabet: str  # every character of its prompts and answers
+    max_prompt_chars: int
+    max_answer_chars: int
+
+
+FAMILIES = {
+    "demo": TaskFamily(("add", "sort", "rev"), ALPHABET, len("sort ") + 6 + len("="), 6),
+    "hard": TaskFamily(("long_add", "mul", "long_sort", "uniq", "cumsum", "close"), ALPHABET + "*" + OPENING + CLOSING,
+                       len("cumsum ") + 36 + len("="), 36),
+}
+KINDS = FAMILIES["demo"].kinds  # kept for the demo family's callers
+MAX_PROMPT_CHARS, MAX_ANSWER_CHARS = FAMILIES["demo"].max_prompt_chars, FAMILIES["demo"].max_answer_chars
+
+
+def family(name: str) -> TaskFamily:
+    if name not in FAMILIES:
+        raise ValueError(f"Unknown task family {name!r}: choose one of {', '.join(FAMILIES)}.")
+    return FAMILIES[name]
+
+
+def _running_sums(digits: str) -> str:
+    total, out = 0, []
+    for digit in digits:
+        total = (total + int(digit)) % 10
+        out.append(str(total))
+    return "".join(out)
+
+
+RULES: dict[str, Callable[[str], str]] = {  # prompt prefix -> answer of the rest
+    "sort ": lambda body: "".join(sorted(body)),
+    "rev ": lambda body: body[::-1],
+    "uniq ": lambda body: "".join(sorted(set(body))),
+    "cumsum ": _running_sums,
+    "close ": lambda body: "".join(CLOSING[OPENING.index(c)] for c in reversed(body)),
+}
 
 
 def answer_for(prompt: str) -> str:
-    """The exact answer of a prompt made by `make_problems`."""
+    """The exact answer of a prompt made by `make_problems` (any family)."""
     body = prompt.removesuffix("=")
-    if body.startswith("sort "):
-        return "".join(sorted(body[len("sort "):]))
-    if body.startswith("rev "):
-        return body[len("rev "):][::-1]
+    for prefix, rule in RULES.items():
+        if body.startswith(prefix):
+            return rule(body[len(prefix):])
+    if "*" in body:
+        a, b = body.split("*")
+        return str(int(a) * int(b))
     a, b = body.split("+")
     return str(int(a) + int(b))
 
@@ -56,31 +122,29 @@ def split_of(prompt: str) -> str:
     return "held_out" if int.from_bytes(digest[:4], "big") % 10 == 0 else "train"
 
 
-def _sample_prompt(rng: random.Random, kind: str) -> str:
-    if kind == "add":
-        return f"{rng.randrange(10**MAX_ADD_DIGITS)}+{rng.randrange(10**MAX_ADD_DIGITS)}="
-    n = rng.randint(2, MAX_LIST_LEN)
-    if kind == "sort":
-        return "sort " + "".join(rng.choices(string.digits, k=n)) + "="
-    return "rev " + "".join(rng.choices(string.ascii_lowercase, k=n)) + "="
-
-
-def problem_stream(seed: int, split: str = "train", weights: tuple[float, ...] = (1, 1, 1)) -> Iterator[tuple[str, str]]:
-    """Endless deterministic stream of (prompt, answer) pairs of one split; `weights` are those of `KINDS`."""
+def problem_stream(seed: int, split: str = "train", weights: tuple[float, ...] | None = None,
+                   task: str = "demo") -> Iterator[tuple[str, str]]:
+    """Endless deterministic stream of (prompt, answer) pairs of one split of family `task`; `weights` are those of
+    its kinds (None: equal)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    kinds = family(task).kinds
+    weights = weights or (1,) * len(kinds)
+    if len(weights) != len(kinds):
+        raise ValueError(f"weights={weights}: give one weight per kind of the {task!r} family ({', '.join(kinds)})")
     rng = random.Random(f"{split}-{seed}")
     while True:
-        prompt = _sample_prompt(rng, rng.choices(KINDS, weights=weights)[0])
+        prompt = SAMPLERS[rng.choices(kinds, weights=weights)[0]](rng)
         if split_of(prompt) == split:
             yield prompt, answer_for(prompt)
 
 
-def make_problems(n: int, seed: int, split: str = "train", weights: tuple[float, ...] = (1, 1, 1)) -> list[tuple[str, str]]:
+def make_problems(n: int, seed: int, split: str = "train", weights: tuple[float, ...] | None = None,
+                  task: str = "demo") -> list[tuple[str, str]]:
     """`n` distinct (prompt, answer) pairs, the same for the same arguments (an evaluation set: the rare repeats of
     the stream, short lists mostly, are skipped)."""
     problems: dict[str, str] = {}
-    stream = problem_stream(seed, split, weights)
+    stream = problem_stream(seed, split, weights, task)
     while len(problems) < n:
         problems.setdefault(*next(stream))
     return list(problems.items())
@@ -95,11 +159,12 @@ def is_correct(prompt: str, generated_text: str) -> bool:
     return answer == answer_for(prompt)
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer of the task alphabet: one token per character, special tokens first."""
+def build_tokenizer(task: str = "demo") -> PreTrainedTokenizerFast:
+    """Character-level tokenizer of a family's alphabet: one token per character, special tokens first (the hard
+    family's ids extend the demo family's)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(ALPHABET))}
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(family(task).alphabet))}
     backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
