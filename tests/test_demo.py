@@ -1,6 +1,7 @@
 """The bundled demo model: quality of the decoding strategies on held-out problems, the demo command's output, and
 its errors."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,8 +10,11 @@ import torch
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.assets import demo_model_path
 from hf_blockdiff.cli import main
-from hf_blockdiff.tools.demo import DEMO_SEED, NEW_TOKENS, STRATEGIES, load_demo, solve
+from hf_blockdiff.tools.demo import DEMO_SEED, STRATEGIES, load_demo, solve
 from hf_blockdiff.tools.tasks import make_problems
+from hf_blockdiff.tools.train_tiny import answer_room
+
+NEW_TOKENS = answer_room("demo", 4)  # what the demo decodes: 8
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +73,25 @@ def test_demo_errors(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
     assert main(["demo", "--model", str(tmp_path)]) == 2
     assert "is not a readable demo checkpoint" in capsys.readouterr().err
+    assert main(["demo", "--task", "hard", "--num-problems", "2"]) == 2
+    assert "its tokenizer lacks characters of task 'hard'" in capsys.readouterr().err
+
+
+def test_demo_on_a_hard_task_checkpoint(tmp_path, capsys):
+    """A (briefly trained) hard-family checkpoint: the table decodes the hard problems with room for 36-token
+    answers."""
+    from hf_blockdiff.tools.train_tiny import PRESETS, build_model, save_checkpoint
+    from hf_blockdiff.tools.tasks import build_tokenizer
+
+    small = dataclasses.replace(PRESETS["hard"].model, hidden_size=32, num_layers=1, head_dim=8,
+                                intermediate_size=64)
+    tokenizer = build_tokenizer("hard")
+    save_checkpoint(build_model(small, tokenizer), tokenizer, str(tmp_path))
+    assert main(["demo", "--task", "hard", "--model", str(tmp_path), "--num-problems", "3", "--strategy",
+                 "sequential", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [p["expected"] for p in report["problems"]] == [a for _, a in make_problems(3, 1234, "held_out", task="hard")]
+    assert report["results"][0]["num_forwards"] >= 40  # one token per forward over 40 new tokens, prefill besides
 
 
 def test_fresh_training_reaches_the_shipped_accuracy_trend():

@@ -15,11 +15,10 @@ import torch
 from ..config import BlockDiffusionConfig
 from ..assets import demo_model_path
 from ..strategies import strategy_names
-from .tasks import make_problems, solve
-from .train_tiny import DEFAULT_STEPS, PRESETS as TRAIN_PRESETS, train
+from .tasks import FAMILIES, family, make_problems, solve
+from .train_tiny import DEFAULT_STEPS, PRESETS as TRAIN_PRESETS, answer_room, train
 
 DEMO_SEED = 1234
-NEW_TOKENS = 8
 # label -> BlockDiffusionConfig fields
 STRATEGIES = {
     "sequential": dict(strategy="sequential"),
@@ -50,12 +49,17 @@ def run_demo(args) -> None:
                          f"{', '.join(strategy_names())}")
     if args.num_problems < 1:
         raise ValueError(f"--num-problems {args.num_problems}: pass a positive number of problems to solve")
+    task = family(args.task)
     model, tokenizer = load_demo(args.model)
-    problems = make_problems(args.num_problems, args.seed, "held_out")
+    if tokenizer.unk_token_id in tokenizer(task.alphabet, add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"--model {args.model or 'the bundled model'}: its tokenizer lacks characters of task "
+                         f"{args.task!r}; pass a checkpoint trained on it (train-tiny --preset {args.task})")
+    problems = make_problems(args.num_problems, args.seed, "held_out", task=args.task)
+    room = answer_room(args.task, model.config.block_size)
     chosen = {name: STRATEGIES.get(name, dict(strategy=name)) for name in (args.strategy or STRATEGIES)}
     results, outputs = [], {}
     for label, fields in chosen.items():
-        solved = solve(model, tokenizer, problems, BlockDiffusionConfig(max_new_tokens=NEW_TOKENS, **fields))
+        solved = solve(model, tokenizer, problems, BlockDiffusionConfig(max_new_tokens=room, **fields))
         results.append({"strategy": label, "accuracy": round(solved.accuracy, 4), "num_forwards": solved.num_forwards,
                         "tokens_per_forward": round(solved.tokens_per_forward, 3), "tok_s": round(solved.tok_s, 1)})
         outputs[label] = solved.outputs
@@ -66,7 +70,7 @@ def run_demo(args) -> None:
                          for i, (p, a) in enumerate(problems)],
         }))
         return
-    print(f"{len(problems)} held-out problems (seed {args.seed}): additions, digit sorting, word reversal; "
+    print(f"{len(problems)} held-out problems of task {args.task!r} (seed {args.seed}): {', '.join(task.kinds)}; "
           f"e.g. {problems[0][0]}{problems[0][1]}")
     print(f"{'strategy':<26}{'accuracy':>10}{'forwards':>10}{'tokens/forward':>16}{'tok/s':>10}")
     for row in results:
@@ -92,6 +96,9 @@ def add_parsers(commands) -> None:
     demo.add_argument("--strategy", nargs="*", help=f"labels of the demo table ({', '.join(STRATEGIES)}) or any "
                       f"strategy name ({', '.join(strategy_names())}) (default: every label of the table)")
     demo.add_argument("--model", help="another checkpoint of the task (default: the bundled one)")
+    demo.add_argument("--task", default="demo", choices=list(FAMILIES),
+                      help="task family of the problems: demo, or hard for a train-tiny --preset hard checkpoint "
+                      "(default: %(default)s)")
     demo.add_argument("--json", action="store_true",
                       help="print every prompt, expected answer and output as JSON (default: off, a table)")
     demo.set_defaults(run=run_demo)
