@@ -43,7 +43,7 @@ def check_modes(cfg) -> None:
 def check_prefix_store(cfg) -> None:
     if not cfg.prefix_cache_tokens:
         return
-    if cfg.attention != "block_causal" or cfg.alignment != "absolute" or cfg.prompt_attention != "block_causal":
+    if cfg.prompt_attention != "block_causal":  # check_modes made that block-causal with absolute blocks
         fail("prefix_cache_tokens", cfg.prefix_cache_tokens, "prefixes are exact and reusable only under "
              "block-causal attention with absolute blocks and a block-causal prompt (a prompt seen as one block "
              "changes with its last token): pass 0 for this mode")

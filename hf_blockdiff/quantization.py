@@ -2,8 +2,9 @@
 
 torchao weights (int8 / fp8 weight-only: tensor subclasses that torch.compile and CUDA graphs trace) run the fast
 path; its int8 weight-only tensors run slower compiled than eager (measured on an H200, README "Quantized
-weights"), so compiling the decoder layers is off by default for them, with one log line. bitsandbytes 4-bit layers call bitsandbytes' own kernels, which neither torch.compile nor graph
-capture is known to take: those two are turned off for such a model, with one log line saying so. Other methods
+weights"), so compiling the decoder layers is off by default for them, with one log line. bitsandbytes 4-bit
+layers call bitsandbytes' own kernels, which neither torch.compile nor graph capture is known to take: those two
+are turned off for such a model, with one log line saying so. Other methods
 are refused before any forward. LoRA pre-merge refuses quantized base weights (merging into them cannot be undone
 bit-exactly).
 """
@@ -16,7 +17,7 @@ logger = logging.get_logger(__name__)
 
 FAST_PATH_METHODS = ("torchao", "bitsandbytes")
 # torchao weight types whose decoder layers decode slower compiled than eager inside CUDA graphs (SDAR-4B shapes on
-# an H200, 2026-11-23: batch 1 at 7.8 tok/s compiled against 61.3 uncompiled)
+# an H200, 2026-11-23, hf-blockdiff bench: batch 1 at 9.7 tok/s compiled against 64.5 uncompiled)
 SLOW_COMPILED_WEIGHTS = ("Int8Tensor",)
 
 
@@ -52,8 +53,9 @@ def compiles_well(model) -> bool:
         return False
     slow = sorted({type(p).__name__ for p in model.parameters()} & set(SLOW_COMPILED_WEIGHTS))
     if slow:
-        logger.warning_once(f"torchao {', '.join(slow)} weights: torch.compile of the decoder layers is off by default "
-                            "(slower than eager for these weights); pass BlockDiffusionConfig(compile=True) to force it.")
+        logger.warning_once(f"torchao {', '.join(slow)} weights: torch.compile of the decoder layers is off by "
+                            "default (slower than eager for these weights); pass BlockDiffusionConfig(compile=True) "
+                            "to force it.")
         return False
     return True
 

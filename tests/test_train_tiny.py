@@ -31,8 +31,8 @@ def test_problems_are_deterministic_and_correct():
     assert tasks.make_problems(50, seed=3) == tasks.make_problems(50, seed=3)
     assert tasks.make_problems(50, seed=3) != tasks.make_problems(50, seed=4)
     for prompt, answer in tasks.make_problems(300, seed=0) + tasks.make_problems(300, seed=0, split="held_out"):
-        assert prompt.endswith("=") and len(prompt) <= tasks.MAX_PROMPT_CHARS
-        assert 0 < len(answer) <= tasks.MAX_ANSWER_CHARS
+        assert prompt.endswith("=") and len(prompt) <= tasks.FAMILIES["demo"].max_prompt_chars
+        assert 0 < len(answer) <= tasks.FAMILIES["demo"].max_answer_chars
         assert tasks.is_correct(prompt, answer + tasks.EOS + "xyz" + tasks.PAD)
         assert not tasks.is_correct(prompt, answer + "1")
 

@@ -77,8 +77,6 @@ FAMILIES = {
     "hard": TaskFamily(("long_add", "mul", "long_sort", "uniq", "cumsum", "close"), ALPHABET + "*" + OPENING + CLOSING,
                        len("cumsum ") + 36 + len("="), 36),
 }
-KINDS = FAMILIES["demo"].kinds  # kept for the demo family's callers
-MAX_PROMPT_CHARS, MAX_ANSWER_CHARS = FAMILIES["demo"].max_prompt_chars, FAMILIES["demo"].max_answer_chars
 
 
 def family(name: str) -> TaskFamily:

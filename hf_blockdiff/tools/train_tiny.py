@@ -228,9 +228,9 @@ def fit(cfg: TrainConfig, seed: int, steps: int, device: str = "cpu", log=print,
         max_seconds: float | None = None):
     """Train a fresh model, or go on with the run saved at `state_path`; returns the `Run` (model in eval mode, one
     loss per step, seconds over all its parts). With `max_seconds`, training stops before the first step that would
-    start later (each part takes one step at least) and saves the run (weights, optimizer, schedule, noise generator, position in the data) to `state_path`;
-    the same call then resumes it bit for bit (fewer losses than `steps` tell that it stopped). Same seed, same
-    threads: same weights."""
+    start later (each part takes one step at least) and saves the run (weights, optimizer, schedule, noise
+    generator, position in the data) to `state_path`; the same call then resumes it bit for bit (fewer losses than
+    `steps` tell that it stopped). Same seed, same threads: same weights."""
     start = time.perf_counter()
     torch.manual_seed(seed)
     torch.set_flush_denormal(True)  # denormals slow CPU steps down several-fold at times; flushing also fixes results
@@ -249,10 +249,6 @@ def fit(cfg: TrainConfig, seed: int, steps: int, device: str = "cpu", log=print,
     model.train()
     for step in range(resumed_at, steps):
         if max_seconds is not None and step > resumed_at and time.perf_counter() - start > max_seconds:
-            run.seconds += time.perf_counter() - start
-            run.save(state_path)
-            if log:
-                log(f"stopped at step {step} of {steps} after {max_seconds:.0f}s: run again to resume")
             break
         x0, answer_start = encode_batch(next(batches), tokenizer, cfg.model.block_size)
         loss = diffusion_loss(model, x0.to(device), answer_start.to(device), tokenizer.mask_token_id, generator)
@@ -264,8 +260,11 @@ def fit(cfg: TrainConfig, seed: int, steps: int, device: str = "cpu", log=print,
         run.losses.append(loss.item())
         if log and (step % 250 == 0 or step == steps - 1):
             log(f"step {step:5d}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.2e}  {time.perf_counter() - start:.0f}s")
-    else:
-        run.seconds += time.perf_counter() - start
+    run.seconds += time.perf_counter() - start
+    if len(run.losses) < steps:
+        run.save(state_path)
+        if log:
+            log(f"stopped at step {len(run.losses)} of {steps} after {max_seconds:.0f}s: run again to resume")
     model.eval()
     return run
 
