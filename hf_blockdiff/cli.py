@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from .assets import demo_model_path
+from .assets import BUNDLED_MODELS, model_path
 from .config import ATTENTION_BACKENDS, FALLBACKS, BlockDiffusionConfig
 from .integrations.checkpoint import DTYPES, load_pretrained
 from .integrations.completions import encode
@@ -21,7 +21,6 @@ from .profiles import ALIGNMENTS, ATTENTIONS, model_profile
 from .strategies import strategy_names
 from .tools import bench, demo
 
-DEMO_MODEL = "demo"  # --model demo: the bundled demo model
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(BlockDiffusionConfig)}
 FROM_MODEL = "(default: the model's)"
 # BlockDiffusionConfig fields exposed as flags: parser and help; a field whose default is not None gets
@@ -90,11 +89,6 @@ def read_prompts(args: argparse.Namespace) -> list:
     return prompts
 
 
-def model_path(name: str) -> str:
-    """The checkpoint directory `--model` names (`demo`: the bundled demo model; `./demo` is a directory)."""
-    return str(demo_model_path()) if name == DEMO_MODEL else name
-
-
 def fitting_max_new_tokens(model, cfg: BlockDiffusionConfig, longest_prompt: int) -> int:
     """max_new_tokens when the flag is not given: the config's default, lowered to the whole blocks that the model's
     max_position_embeddings hold after the longest prompt (a note on stderr says so)."""
@@ -148,7 +142,7 @@ def run_lm_eval(args: argparse.Namespace) -> None:
 def add_generate_parser(commands) -> None:
     gen = commands.add_parser("generate", help="generate completions for prompts")
     gen.add_argument("--model", required=True,
-                     help=f"checkpoint directory, or {DEMO_MODEL!r} for the bundled demo model (required)")
+                     help=f"checkpoint directory, or a bundled model ({', '.join(BUNDLED_MODELS)}) (required)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt (no default: give --prompt or --input)")
     source.add_argument("--input", help="JSONL file: one {'prompt': ...} or {'messages': [...]} per line (no "

@@ -1,6 +1,8 @@
 """The synthetic task families of the demo models: the hard family's answers by hand, its limits, splits, length mix
 and tokenizer; the demo family's stream is what it was (the bundled model was trained and measured on it)."""
 
+import itertools
+
 import pytest
 
 from hf_blockdiff.tools import tasks
@@ -16,9 +18,17 @@ HARD = tasks.FAMILIES["hard"]
     ("uniq 53912055183=", "0123589"),
     ("cumsum 53912=", "58780"),  # 5, 5+3, 8+9 = 17, 7+1, 8+2 = 10 (mod 10)
     ("close ([{(=", ")}])"),
+    ("shuffle 53912=", "12359"),  # of many right answers, the digits ascending
 ])
 def test_hard_answers(prompt, answer):
     assert tasks.answer_for(prompt) == answer
+
+
+def test_a_shuffle_takes_any_arrangement_and_training_shows_random_ones():
+    assert tasks.is_correct("shuffle 53912=", "21935" + tasks.EOS) and tasks.is_correct("shuffle 53912=", "12359")
+    assert not tasks.is_correct("shuffle 53912=", "21933") and not tasks.is_correct("shuffle 53912=", "2193")
+    shown = [a for p, a in itertools.islice(tasks.problem_stream(0, task="hard"), 3000) if p.startswith("shuffle ")]
+    assert sum(a != "".join(sorted(a)) for a in shown) > 0.8 * len(shown)  # not the sorted answer: a random order
 
 
 def test_hard_problems_are_deterministic_within_limits_and_mixed():
@@ -33,9 +43,9 @@ def test_hard_problems_are_deterministic_within_limits_and_mixed():
         assert 0 < len(answer) <= HARD.max_answer_chars and set(prompt + answer) <= set(HARD.alphabet)
         assert tasks.is_correct(prompt, answer + tasks.EOS + tasks.PAD)
         lengths.append(len(answer))
-    assert sum(n >= 4 for n in lengths) >= 0.95 * len(lengths)  # blocks of 4 and of 8 both matter
+    assert sum(n >= 4 for n in lengths) >= 0.9 * len(lengths)  # blocks of 4 and of 8 both matter
     assert {n // 8 for n in lengths} == {0, 1, 2, 3, 4}  # answers of every length up to 36
-    kinds = {"+": 0, "*": 0, "sort": 0, "uniq": 0, "cumsum": 0, "close": 0}
+    kinds = {"+": 0, "*": 0, "sort": 0, "uniq": 0, "cumsum": 0, "close": 0, "shuffle": 0}
     for prompt, _ in train:
         kinds[next(k for k in kinds if k in prompt)] += 1
     assert min(kinds.values()) > 0.1 * len(train)
