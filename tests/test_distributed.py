@@ -70,3 +70,15 @@ def test_tensor_parallel_size_must_divide_the_launch(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ValueError, match="torchrun --nproc_per_node N"):
         init_tensor_parallel(2)
+
+
+def test_bench_tensor_parallel(tmp_path):
+    """`bench --tensor-parallel` under torchrun: random weights sharded over both processes decode the single
+    process's forwards; only the first process prints its report."""
+    args = ["bench", "--shape", "tiny", "--batch-size", 2, "--prompt-len", 9, "--new-tokens", 8, "--device", "cpu",
+            "--dtype", "float32", "--skip-reference", "--json"]
+    run = torchrun("-m", "hf_blockdiff.cli", *args, "--tensor-parallel")
+    reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1 and reports[0]["device"] == "cpu x 2 (tensor parallel)"
+    assert reports[0]["first_call"]["seconds"] > 0
+    assert reports[0]["results"][0]["forwards"] == reports[0]["first_call"]["forwards"] == 12
