@@ -46,8 +46,9 @@ def test_data_parallel_cli_matches_one_process(checkpoint, expected, tmp_path, p
 def test_tensor_parallel_matches_one_process(checkpoint, expected, tmp_path, processes):
     uneven = save_checkpoint(tmp_path / "one-kv-head", num_key_value_heads=1)
     report_path = tmp_path / "report.json"
-    torchrun(Path(__file__).parent / "distributed_worker.py", checkpoint, uneven, 2, report_path, processes=processes,
-             timeout=240)
+    compiled = ["compiled"] if processes == 2 else []  # compiling takes about 30 s on the CPU: once
+    torchrun(Path(__file__).parent / "distributed_worker.py", checkpoint, uneven, 2, report_path, *compiled,
+             processes=processes, timeout=300)
     reports = [json.loads(Path(f"{report_path}.{rank}").read_text()) for rank in range(processes)]
     # batches of 2 of the 5 prompts, then of the 1: one group decodes them all; of two groups the first decodes 3
     # prompts and the one, the second 2 prompts and nothing
@@ -56,6 +57,7 @@ def test_tensor_parallel_matches_one_process(checkpoint, expected, tmp_path, pro
         assert report["tp_size"] == 2
         assert report["cache_kv_heads"] == 1  # the tiny model has 2 KV heads: one per process
         assert report["completions"] == expected and report["again"] == expected[:1]
+        assert report["compiled"] == (expected if compiled else None)
         assert "num_key_value_heads=1 is not divisible by 2" in report["uneven_error"]
 
 
