@@ -1,8 +1,8 @@
 """`hf-blockdiff` command line: generate (and the subcommands registered by other modules).
 
 `accelerate launch -m hf_blockdiff.cli generate ...` (or `torchrun`) splits the prompts over the processes and writes
-the results in input order from the main process; with `--tensor-parallel` under `torchrun` the processes share
-the model's weights instead."""
+the results in input order from the main process; with `--tensor-parallel-size N` under `torchrun` groups of N
+processes share the model's weights and the prompts are split over the groups."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .assets import BUNDLED_MODELS, model_path
 from .config import ATTENTION_BACKENDS, FALLBACKS, BlockDiffusionConfig
 from .integrations.checkpoint import DTYPES, load_pretrained
 from .integrations.completions import encode
-from .integrations.distributed import generate_distributed, process_state
+from .integrations.distributed import generate_distributed, is_main_process
 from .profiles import ALIGNMENTS, ATTENTIONS, model_profile
 from .strategies import strategy_names
 from .tools import bench, demo
@@ -101,7 +101,7 @@ def fitting_max_new_tokens(model, cfg: BlockDiffusionConfig, longest_prompt: int
     if room <= 0:
         raise ValueError(f"the longest prompt has {longest_prompt} tokens: the model's max_position_embeddings="
                          f"{limit} leave no room for a block of {block} new tokens; shorten the prompt")
-    if process_state().is_main_process:
+    if is_main_process():
         print(f"hf-blockdiff: note: --max-new-tokens not given: generating {room} tokens, the whole blocks of "
               f"{block} that the model's {limit} positions hold after the longest prompt ({longest_prompt} tokens)",
               file=sys.stderr)
@@ -111,13 +111,13 @@ def fitting_max_new_tokens(model, cfg: BlockDiffusionConfig, longest_prompt: int
 def run_generate(args: argparse.Namespace) -> None:
     cfg = config_from_args(args)
     prompts = read_prompts(args)
-    model, tokenizer = load_pretrained(model_path(args.model), args.device, args.dtype, args.tensor_parallel)
+    model, tokenizer = load_pretrained(model_path(args.model), args.device, args.dtype, args.tensor_parallel_size)
     encoded = [encode(p, tokenizer, args.chat) for p in prompts]
     if args.max_new_tokens is None:
         longest = max((len(ids) for ids in encoded), default=0)
         cfg = cfg.replace(max_new_tokens=fitting_max_new_tokens(model, cfg, longest))
     results = generate_distributed(model, encoded, cfg, tokenizer, batch_size=args.batch_size, progress=True)
-    if not process_state().is_main_process:
+    if not is_main_process():
         return
     lines = [
         json.dumps({"prompt": p, "completion": c.text, "num_forwards": c.num_forwards}, ensure_ascii=False)
@@ -155,8 +155,9 @@ def add_generate_parser(commands) -> None:
                      "else the GPU if there is one, else cpu)")
     gen.add_argument("--dtype", default="float32", choices=DTYPES,
                      help=f"dtype of the weights: {', '.join(DTYPES)} (default: %(default)s)")
-    gen.add_argument("--tensor-parallel", action="store_true",
-                     help="shard the model over the processes of a torchrun launch (tp_plan='auto') (default: off)")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                     help="shard the model over groups of N processes of a torchrun launch of N·M processes "
+                     "(tp_plan='auto'); the prompts are split over the M groups (default: %(default)s, no sharding)")
     add_config_flags(gen)
     gen.set_defaults(run=run_generate)
 

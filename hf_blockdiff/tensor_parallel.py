@@ -3,7 +3,8 @@
 Under `torchrun`, `from_pretrained(..., tp_plan="auto")` shards q/k/v column-wise by heads, so each process's attention
 sees its local heads and `PagedBlockCache.update` receives local K/V: the cache sizes its page pools from the first
 `update`, so it holds the local KV heads without being told. Every process decodes every prompt (same tokens: the
-logits are gathered), unlike data parallelism, which splits the prompts.
+logits are gathered), unlike data parallelism, which splits the prompts (both at once:
+`integrations.distributed`).
 
 transformers loads a model whose head counts do not divide the process count without complaint and then fails
 inside the first attention with a bare reshape error; `check_tensor_parallel` says why before any forward.
@@ -27,6 +28,7 @@ def check_tensor_parallel(model) -> None:
         counts = ", ".join(f"{name}={n}" for name, n in uneven.items())
         raise ValueError(
             f"The model is sharded over {size} processes (tp_plan), but {counts} is not divisible by {size}: "
-            "attention heads cannot be split evenly. Launch a number of processes that divides the head counts "
-            "(torchrun --nproc_per_node N), or load without tp_plan and use data parallelism (accelerate launch)."
+            "attention heads cannot be split evenly. Shard over a number of processes that divides the head counts "
+            "(tensor_parallel_size / --tensor-parallel-size N, launched as torchrun --nproc_per_node N·M), or load "
+            "without tp_plan and use data parallelism (accelerate launch)."
         )

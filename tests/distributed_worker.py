@@ -1,35 +1,45 @@
-"""Run by test_distributed under `torchrun --nproc_per_node 2`: tensor-parallel generation of a tiny checkpoint (and
-of one whose KV heads cannot be split); the main process writes what it saw as JSON."""
+"""Run by test_distributed under `torchrun --nproc_per_node W`: generation of a tiny checkpoint sharded over groups
+of TP_SIZE processes (one group: plain tensor parallel; several: hybrid data × tensor parallel), and of one whose KV
+heads cannot be split; with COMPILED, also with compiled decoder layers (the collectives traced into them); every
+process writes what it saw as JSON (OUTPUT.RANK)."""
 
 import json
+import os
 import sys
 
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.integrations.checkpoint import load_pretrained
-from hf_blockdiff.integrations.distributed import generate_distributed, process_state
+from hf_blockdiff.integrations.distributed import generate_distributed
 
 CFG = BlockDiffusionConfig(max_new_tokens=8, threshold=0.6, eos_token_id=[])
 PROMPTS = ["hello", "x = 1", "abc def", "Once upon a time", "0123456789"]
 
 
-def main(checkpoint: str, uneven_checkpoint: str, output: str) -> None:
-    model, tokenizer = load_pretrained(checkpoint, tensor_parallel=True)
+def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, compiled: str = "") -> None:
+    model, tokenizer = load_pretrained(checkpoint, tensor_parallel_size=int(tp_size))
+    compiled_texts = [c.text for c in generate_distributed(model, PROMPTS, CFG.replace(
+        compile=True, cuda_graphs=True), tokenizer, batch_size=2)] if compiled else None  # graphs' fixed shapes, eager
+    rows, decode = [], model.generate_multi_block
+    model.generate_multi_block = lambda ids, *args, **kwargs: rows.append(len(ids)) or decode(ids, *args, **kwargs)
     completions = generate_distributed(model, PROMPTS, CFG, tokenizer, batch_size=2)
-    uneven, _ = load_pretrained(uneven_checkpoint, tensor_parallel=True)
+    again = generate_distributed(model, PROMPTS[:1], CFG, tokenizer)  # fewer prompts than groups
+    uneven, _ = load_pretrained(uneven_checkpoint, tensor_parallel_size=int(tp_size))
     try:
         generate_distributed(uneven, PROMPTS[:1], CFG, tokenizer)
         error = None
     except ValueError as failure:
         error = str(failure)
-    if process_state().is_main_process:
-        report = {
-            "completions": [c.text for c in completions],
-            "tp_size": model.tp_size,
-            "cache_kv_heads": model._blockdiff_engine.cache.keys[0].shape[2],
-            "uneven_error": error,
-        }
-        with open(output, "w") as f:
-            json.dump(report, f)
+    report = {
+        "completions": [c.text for c in completions],
+        "again": [c.text for c in again],
+        "compiled": compiled_texts,
+        "rows": rows,
+        "tp_size": model.tp_size,
+        "cache_kv_heads": model._blockdiff_engine.cache.keys[0].shape[2],
+        "uneven_error": error,
+    }
+    with open(f"{output}.{os.environ['RANK']}", "w") as f:
+        json.dump(report, f)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,10 @@ def test_bench_reports_both_loops(capsys):
     # prefill + blocks of 3, 4, 4 masks (the first holds the prompt tail); the reference adds a store forward each
     assert ours["forwards"] == 1 + 11 and reference["forwards"] == 1 + 11 + 3
     assert ours["tokens"] == reference["tokens"] == 16 and report["speedup"] > 0
+    # the process's first call (compile, capture, warm-up) is reported beside the warm one
+    first = report["first_call"]
+    assert first["name"] == "hf_blockdiff (first call)" and first["seconds"] > 0 and first["forwards"] == 12
+    assert report["first_call_overhead_s"] == round(first["seconds"] - ours["seconds"], 3)
 
 
 @pytest.mark.parametrize("editing", [[], ["--editing-threshold", "0.5"]])
@@ -138,3 +142,8 @@ def test_bench_quantized_weights(capsys):
     assert code == 0 and report["settings"]["quantization"] == "int8" and report["results"][0]["tokens"] == 16
     assert main(["bench", "--shape", "tiny", "--device", "cpu", "--quantization", "nf4"]) == 2
     assert "pass --model DIR" in capsys.readouterr().err
+
+
+def test_bench_tensor_parallel_needs_a_launch(capsys):
+    assert main(["bench", "--shape", "tiny", "--device", "cpu", "--tensor-parallel"]) == 2
+    assert "torchrun --nproc_per_node N -m hf_blockdiff.cli bench" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import hf_blockdiff.integrations
 import hf_blockdiff.kernels
 import hf_blockdiff.tools
 
-TOOLS = ("bench", "demo", "train_tiny", "tasks", "microbench")
+TOOLS = ("bench", "bench_models", "demo", "train_tiny", "tasks", "microbench")
 INTEGRATIONS = ("completions", "distributed", "checkpoint", "callbacks")
 
 

@@ -17,7 +17,6 @@ from ..attention import ATTENTION_NAME, AttentionBackend
 from ..config import BlockDiffusionConfig
 from ..kernels.rmsnorm import rms_norm
 from ..quantization import compiles_well
-from ..tensor_parallel import tensor_parallel_size
 
 # transformers' RMSNorm classes whose forward is exactly kernels.rmsnorm.rms_norm_reference
 STOCK_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm")
@@ -25,12 +24,12 @@ STOCK_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSN
 
 def fusion_for(cfg: BlockDiffusionConfig, backend: AttentionBackend, graphs: bool, device: torch.device,
                model) -> str:
-    """"compile" (config `compile`, by default on with CUDA graphs unless tensor-parallel or quantized to weights that
-    compile badly: bitsandbytes, torchao int8),
-    else "norms" beside a backend that fuses them, else "none"."""
+    """"compile" (config `compile`, by default on with CUDA graphs unless quantized to weights that compile badly:
+    bitsandbytes, torchao int8; tensor-parallel layers too: their collectives trace into the compiled layers,
+    docs/design.md, "Kernels and backends"), else "norms" beside a backend that fuses them, else "none"."""
     compile_ = cfg.compile
     if compile_ is None:
-        compile_ = graphs and device.type == "cuda" and tensor_parallel_size(model) == 1 and compiles_well(model)
+        compile_ = graphs and device.type == "cuda" and compiles_well(model)
     return "compile" if compile_ else "norms" if backend.fuses_norms else "none"
 
 

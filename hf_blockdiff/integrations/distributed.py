@@ -1,11 +1,24 @@
-"""Data parallelism: prompts split over the processes of an `accelerate launch` (or `torchrun`), completions
-gathered back in input order on every process (docs/design.md, "Around the loop").
+"""Data parallelism, tensor parallelism and both at once (docs/design.md, "Around the loop").
 
-A tensor-parallel model (see `hf_blockdiff.tensor_parallel`) already spreads one decode over the processes: then
-every process decodes every prompt and nothing is split.
+Data parallel: prompts split over the processes of an `accelerate launch` (or `torchrun`), completions gathered back
+in input order on every process.
+
+Tensor parallel × data parallel: a launch of N·M processes forms M groups of N ranks (ranks g·N .. g·N+N-1 are group
+g). transformers shards a model only over the whole default process group (both 5.17 and 5.23 check that the world
+size is the product of the parallel sizes; 5.23 builds data-parallel replicas only through FSDP2), so
+`init_tensor_parallel(N)` makes each group its own default process group, rendezvousing through the launcher's store,
+and `from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto", tp_size=N))` then shards over the
+group alone. Each group decodes a contiguous share of the prompts; the first rank of each group puts its completions
+in the launcher's store and every process reads them all back, in input order. With N equal to the launch's size
+there is one group, transformers initializes the process group itself, and every process decodes every prompt.
 """
 
 from __future__ import annotations
+
+import itertools
+import os
+import pickle
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,17 +35,127 @@ def process_state():
     return PartialState(cpu=not torch.accelerator.is_available())
 
 
+def launch_size() -> int:
+    """Processes of the launch (`WORLD_SIZE`, set by torchrun and accelerate launch; 1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_process() -> bool:
+    """Rank 0 of the launch (also when the default process group is a tensor-parallel group)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+@dataclass
+class TensorParallelGroups:
+    """Where this process sits among the launch's tensor-parallel groups, and the launcher's store they share."""
+
+    store: object
+    rank: int
+    world_size: int
+    tp_size: int
+    calls: itertools.count = field(default_factory=itertools.count)
+
+    @property
+    def group(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def groups(self) -> int:
+        return self.world_size // self.tp_size
+
+    def gather(self, mine: Completions | Exception) -> list[Completions | Exception]:
+        """Every group's completions (or error) in group order, on every process. The last process to read them
+        deletes the keys, so the store does not grow with the calls."""
+        prefix = f"hf_blockdiff/completions/{next(self.calls)}"
+        if self.rank % self.tp_size == 0:
+            self.store.set(f"{prefix}/{self.group}", pickle.dumps(mine))
+        parts = [pickle.loads(self.store.get(f"{prefix}/{group}")) for group in range(self.groups)]
+        if self.store.add(f"{prefix}/read", 1) == self.world_size:
+            for key in [f"{prefix}/{group}" for group in range(self.groups)] + [f"{prefix}/read"]:
+                self.store.delete_key(key)
+        return parts
+
+
+_GROUPS: TensorParallelGroups | None = None  # set by init_tensor_parallel when the launch holds several groups
+
+
+def check_tensor_parallel_size(size: int) -> None:
+    """`size` ranks per tensor-parallel group must fit the launch: at least 1, dividing its process count."""
+    world = launch_size()
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size={size!r}: pass a positive number of processes per model shard group")
+    if size > 1 and world < 2:
+        raise ValueError("tensor parallelism shards over several processes: launch with "
+                         "`torchrun --nproc_per_node N ...` (N dividing the model's attention head counts)")
+    if world % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the launch's {world} processes: launch "
+                         f"N·M processes for M data-parallel groups of N (torchrun --nproc_per_node {size * 2} for "
+                         f"two groups), or pass a tensor_parallel_size that divides {world}")
+
+
+def init_tensor_parallel(size: int) -> None:
+    """Before `from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto", tp_size=size))` in a launch
+    of several groups of `size` ranks: make this process's group the default process group (see the module's doc).
+    Nothing to do when one group holds the whole launch. Call it on every process of the launch."""
+    global _GROUPS
+    check_tensor_parallel_size(size)
+    if size == launch_size() or (_GROUPS is not None and _GROUPS.tp_size == size):
+        return
+    if torch.distributed.is_initialized():
+        raise ValueError(f"tensor_parallel_size={size}: torch.distributed is already initialized over "
+                         f"{torch.distributed.get_world_size()} processes; call init_tensor_parallel (or "
+                         "load_pretrained(..., tensor_parallel_size=...)) before anything initializes it")
+    store, rank, world = next(torch.distributed.rendezvous("env://"))
+    _GROUPS = TensorParallelGroups(store, rank, world, size)
+    device = torch.accelerator.current_accelerator() or torch.device("cpu")
+    torch.distributed.init_process_group(
+        torch.distributed.get_default_backend_for_device(device),
+        store=torch.distributed.PrefixStore(f"hf_blockdiff/tp{_GROUPS.group}", store), rank=rank % size,
+        world_size=size)
+
+
+def _share(items: list, index: int, parts: int) -> list:
+    """The `index`-th of `parts` contiguous shares of `items`, the first ones one longer (as accelerate splits)."""
+    base, extra = divmod(len(items), parts)
+    start = index * base + min(index, extra)
+    return items[start : start + base + (index < extra)]
+
+
 def generate_distributed(model, prompts: list, config: BlockDiffusionConfig | None = None, tokenizer=None, *,
                          batch_size: int = 16, chat: bool = False, progress: bool = False) -> Completions:
     """Completions of `prompts` (strings, token-id lists or chat messages; see `completions.encode`), this process
-    decoding a contiguous share of them. Every process gets all of them back, in input order; `progress` shows a bar
-    on the main process. Call it on every process, with the same prompts."""
+    (or its tensor-parallel group, for a model loaded with `tp_size`) decoding a contiguous share of them. Every
+    process gets all of them back, in input order; `progress` shows a bar on the main process. Call it on every
+    process, with the same prompts."""
+    tp_size = tensor_parallel_size(model)
+    if tp_size > 1:
+        return _generate_tensor_parallel(model, list(prompts), config, tokenizer, tp_size, batch_size=batch_size,
+                                         chat=chat, progress=progress and is_main_process())
     from accelerate.utils import gather_object
 
     state = process_state()
     progress = progress and state.is_main_process
-    if state.num_processes == 1 or tensor_parallel_size(model) > 1:
+    if state.num_processes == 1:
         return complete(model, prompts, config, tokenizer, batch_size=batch_size, chat=chat, progress=progress)
     with state.split_between_processes(list(prompts)) as share:
         mine = complete(model, share, config, tokenizer, batch_size=batch_size, chat=chat, progress=progress)
     return Completions.joined(gather_object([mine]))
+
+
+def _generate_tensor_parallel(model, prompts: list, config, tokenizer, tp_size: int, **kwargs) -> Completions:
+    """A tensor-parallel model: its group decodes its share (all prompts when one group holds the launch)."""
+    if tp_size == launch_size():
+        return complete(model, prompts, config, tokenizer, **kwargs)
+    if _GROUPS is None or _GROUPS.tp_size != tp_size:
+        raise ValueError(f"the model is sharded over {tp_size} of the launch's {launch_size()} processes: call "
+                         f"init_tensor_parallel({tp_size}) before from_pretrained, or load with "
+                         f"load_pretrained(..., tensor_parallel_size={tp_size})")
+    try:
+        mine = complete(model, _share(prompts, _GROUPS.group, _GROUPS.groups), config, tokenizer, **kwargs)
+    except Exception as error:  # published like completions: the other groups raise it too instead of waiting
+        mine = error
+    parts = _GROUPS.gather(mine)
+    failure = next((part for part in parts if isinstance(part, Exception)), None)
+    if failure is not None:
+        raise failure
+    return Completions.joined(parts)

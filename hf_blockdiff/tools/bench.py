@@ -7,7 +7,9 @@ forward per block, the whole vocabulary softmaxed in fp32 for every position of 
 step). LLaDA2 models: diffusers' LLaDA2Pipeline (tools/diffusers_reference.py) against the `llada2` preset, or
 `llada2_1` with `--editing-threshold`; the report adds the MoE layer against its dense-equivalent GEMMs
 (tools/moe_timing.py). The report gives tok/s, ms per forward, forwards (NFE), tokens per forward (TPF, per prompt),
-peak memory and the speedup, with the exact settings.
+peak memory and the speedup, with the exact settings, and the wall time of the process's first call (torch.compile,
+graph capture and warm-up included: the cold start). `--tensor-parallel` under `torchrun` shards the model with
+transformers' tp_plan="auto" over the launch's processes (tools/bench_models.py); the first process reports.
 """
 
 from __future__ import annotations
@@ -19,29 +21,14 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import ATTENTION_BACKENDS, BlockDiffusionConfig
+from ..integrations.distributed import is_main_process, launch_size
 from ..patching import free_cache
 from ..profiles import model_profile
 from ..strategies import strategy_names
+from .bench_models import LLADA2, SHAPES, build_model
 from .diffusers_reference import llada2_pipeline
 from .rollout_bench import kv_peak, rollout_runs, with_shared_prefix
 
-SHAPES = {  # architecture sizes of released checkpoints (random weights; nothing is downloaded)
-    "tiny": dict(model_type="sdar", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=4096),
-    "sdar-1.7b": dict(model_type="sdar", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "sdar-4b": dict(model_type="sdar", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "sdar-8b": dict(model_type="sdar", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "llada-8b": dict(model_type="llada", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
-                     vocab_size=126464, embedding_size=126464, rope_theta=500000.0, max_sequence_length=8192),
-    "llada2-mini": dict(model_type="llada2_moe"),  # the config's defaults are LLaDA2.0-mini's (16B-A1B)
-    "llada2-tiny": dict(model_type="llada2_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, n_group=4,
-                        topk_group=2, num_experts_per_tok=2, moe_intermediate_size=32),
-}
-LLADA2 = "llada2_moe"
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile -> BlockDiffusionConfig.compile
 
 
@@ -61,49 +48,6 @@ class Measurement:
     def row(self) -> dict:
         return {**asdict(self), "tok_s": round(self.tok_s, 1), "ms_per_forward": round(1e3 * self.seconds / self.forwards, 2),
                 "tokens_per_forward": round(self.tokens / self.forwards / self.rows, 3)}
-
-
-def _quantization_config(quantization: str):
-    """transformers' quantization config for --quantization (None: none)."""
-    from transformers import BitsAndBytesConfig, TorchAoConfig
-
-    if quantization == "nf4":
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
-    if quantization in ("int8", "fp8"):
-        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
-
-        return TorchAoConfig(Int8WeightOnlyConfig() if quantization == "int8" else Float8WeightOnlyConfig())
-    return None
-
-
-def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype, quantization: str = "none"):
-    """A checkpoint, or random weights of `shape`; quantized weight-only as transformers' quantizers do it (torchao
-    int8/fp8 applied to the built model; bitsandbytes nf4 quantizes while loading, so it needs `model_path`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    quantized = _quantization_config(quantization)
-    if model_path:
-        extra = {} if quantized is None else {"quantization_config": quantized, "device_map": device}
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **extra)
-        return (model if quantized is not None else model.to(device)).eval()
-    if quantization == "nf4":
-        raise ValueError("--quantization nf4: bitsandbytes quantizes while loading a checkpoint: pass --model DIR.")
-    sizes = dict(SHAPES[shape])
-    model_type = sizes.pop("model_type")
-    if model_type == "sdar":
-        sizes["max_position_embeddings"] = 32768
-    if model_type != LLADA2:  # LLaDA2's mask id is its profile's, not a config key
-        sizes["mask_token_id"] = sizes["vocab_size"] - 1
-    config = AutoConfig.for_model(model_type, **sizes)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if quantized is not None:
-        from torchao.quantization import quantize_
-
-        quantize_(model, quantized.quant_type, filter_fn=lambda module, name: isinstance(module, torch.nn.Linear)
-                  and "lm_head" not in name)
-        model.config.quantization_config = quantized  # what a checkpoint loaded with it would carry
-    return model.eval()
 
 
 def _synchronize(device: str) -> None:
@@ -232,7 +176,7 @@ def _settings(args, model, mask_id: int):
 
 def bench(args) -> dict:
     device, dtype = args.device, getattr(torch, args.dtype)
-    model = build_model(args.shape, args.model, device, dtype, args.quantization)
+    model = build_model(args.shape, args.model, device, dtype, args.quantization, args.tensor_parallel)
     vocab = model.config.get_text_config().vocab_size
     mask_id = model_profile(model).mask_token_id
     mask_id = vocab - 1 if mask_id is None else mask_id
@@ -255,17 +199,23 @@ def bench(args) -> dict:
                                 tokens, args.batch_size))
     report = {
         "settings": {key: value for key, value in vars(args).items() if key not in ("run", "json")},
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "device": _device_name(args),
+        "first_call": first.row(),  # the process's first call: compile and graph capture included
         "first_call_overhead_s": round(first.seconds - results[0].seconds, 3),
         "results": [m.row() for m in results],
     }
     if len(results) == 2:
         report["speedup"] = round(results[0].tok_s / results[1].tok_s, 2)
-    if model.config.model_type == LLADA2 and device.startswith("cuda"):
+    if model.config.model_type == LLADA2 and device.startswith("cuda") and not args.tensor_parallel:
         from .moe_timing import moe_against_dense
 
         report["moe"] = [moe_against_dense(model, n * cfg.block_size) for n in sorted({1, args.batch_size})]
     return report
+
+
+def _device_name(args) -> str:
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    return f"{name} x {launch_size()} (tensor parallel)" if args.tensor_parallel else name
 
 
 def _rollout_report(args, model, cfg: BlockDiffusionConfig, prompts: torch.Tensor) -> dict:
@@ -274,15 +224,17 @@ def _rollout_report(args, model, cfg: BlockDiffusionConfig, prompts: torch.Tenso
         raise ValueError(f"--shared-prefix {args.shared_prefix}: pass a length in [0, --prompt-len].")
     prompts = with_shared_prefix(prompts, args.shared_prefix)
     rows = args.batch_size * args.num_return_sequences
-    results, memory = [], []
+    results, memory, first_calls = [], [], []
     for name, run in rollout_runs(args, model, cfg, prompts):
-        run()  # the first call fills the prefix store, compiles and captures graphs
+        # the first call fills the prefix store, compiles and captures graphs
+        first_calls.append(_measure(f"{name} (first call)", run, args.device, rows * args.new_tokens, rows))
         results.append(_measure(name, run, args.device, rows * args.new_tokens, rows))
         memory.append(kv_peak(model))
         free_cache(model)
     return {
         "settings": {key: value for key, value in vars(args).items() if key not in ("run", "json")},
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "device": _device_name(args),
+        "first_call": first_calls[0].row(),  # the process's first call
         "results": [dict(m.row(), **kv) for m, kv in zip(results, memory)],
         "speedup": round(results[0].tok_s / results[1].tok_s, 2),
         "kv_ratio": round(memory[0]["kv_peak_pages"] / memory[1]["kv_peak_pages"], 3),
@@ -291,14 +243,14 @@ def _rollout_report(args, model, cfg: BlockDiffusionConfig, prompts: torch.Tenso
 
 def print_report(report: dict) -> None:
     print(f"device: {report['device']}   settings: {json.dumps(report['settings'])}")
-    print(f"{'run':<22}{'tok/s':>12}{'ms/forward':>12}{'NFE':>8}{'TPF':>8}{'peak GiB':>10}")
-    for row in report["results"]:
-        print(f"{row['name']:<22}{row['tok_s']:>12.1f}{row['ms_per_forward']:>12.2f}{row['forwards']:>8}"
-              f"{row['tokens_per_forward']:>8.2f}{row['peak_gib']:>10.2f}")
+    print(f"{'run':<30}{'seconds':>9}{'tok/s':>10}{'ms/forward':>12}{'NFE':>8}{'TPF':>8}{'peak GiB':>10}")
+    for row in [report["first_call"], *report["results"]]:
+        print(f"{row['name']:<30}{row['seconds']:>9.2f}{row['tok_s']:>10.1f}{row['ms_per_forward']:>12.2f}"
+              f"{row['forwards']:>8}{row['tokens_per_forward']:>8.2f}{row['peak_gib']:>10.2f}")
     if "kv_ratio" in report:
         print(f"speedup: {report['speedup']}x   peak KV GiB: {[row['kv_peak_gib'] for row in report['results']]}")
     elif "speedup" in report:
-        print(f"speedup: {report['speedup']}x   first-call overhead (graph capture, warm-up): "
+        print(f"speedup: {report['speedup']}x   first-call overhead (compile, graph capture, warm-up): "
               f"{report['first_call_overhead_s']} s")
 
 
@@ -309,6 +261,8 @@ def run_bench(args) -> None:
         microbench.print_table(microbench.run(device=args.device, flex=args.flex))
         return
     report = bench(args)
+    if not is_main_process():  # under --tensor-parallel every process decodes; the first one reports
+        return
     print(json.dumps(report) if args.json else "", end="\n" if args.json else "")
     if not args.json:
         print_report(report)
@@ -361,6 +315,9 @@ def add_parser(commands) -> None:
                         help="default: cuda if there is a GPU, else cpu (here: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="dtype of the weights: bfloat16, float16, float32 (default: %(default)s)")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="shard the model with transformers' tp_plan='auto' over the processes of a torchrun "
+                        "launch, each on its own GPU; the first process reports (default: off)")
     parser.add_argument("--skip-reference", action="store_true", help="time hf_blockdiff only (default: off)")
     parser.add_argument("--kernels", action="store_true",
                         help="run the kernel microbenchmarks instead (default: off)")
