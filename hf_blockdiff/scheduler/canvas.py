@@ -19,6 +19,9 @@ from ..kernels.scoring import gumbel_argmax
 from ..strategies import entropy_bound_accept
 
 
+NOISE_ELEMENTS = 1 << 24  # Gumbel noise values hashed at once
+
+
 @dataclass(frozen=True)
 class CanvasRules:
     """The settings of a DiffusionGemma decode (BlockDiffusionConfig's canvas fields, resolved)."""
@@ -109,9 +112,13 @@ class CounterNoise:
         return uniform_tokens(self.seeds[:, None].expand_as(counters), counters, self.rules.vocab_size)
 
     def sample(self, processed: torch.Tensor, canvas: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """A token per row of `processed` [S·L, V] from softmax(processed): Gumbel-max with this step's noise."""
+        """A token per row of `processed` [S·L, V] from softmax(processed): Gumbel-max with this step's noise, in
+        row chunks of at most NOISE_ELEMENTS noise values (the int64 hash of a full [S·L, V] would not fit)."""
         counters = self.counters(canvas, step).reshape(-1)
-        return gumbel_argmax(processed, self.seeds.repeat_interleave(self.rules.length), counters)
+        seeds = self.seeds.repeat_interleave(self.rules.length)
+        rows = max(1, NOISE_ELEMENTS // processed.shape[1])
+        return torch.cat([gumbel_argmax(processed[i : i + rows], seeds[i : i + rows], counters[i : i + rows])
+                          for i in range(0, processed.shape[0], rows)])
 
 
 class TorchOrderNoise:

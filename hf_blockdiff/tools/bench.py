@@ -37,6 +37,7 @@ SHAPES = {  # architecture sizes of released checkpoints (random weights; nothin
     "llada-8b": dict(model_type="llada", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
                      vocab_size=126464, embedding_size=126464, rope_theta=500000.0, max_sequence_length=8192),
     "llada2-mini": dict(model_type="llada2_moe"),  # the config's defaults are LLaDA2.0-mini's (16B-A1B)
+    "diffusion-gemma-26b-a4b": dict(model_type="diffusion_gemma"),  # tools/diffusion_gemma_bench.py
     "llada2-tiny": dict(model_type="llada2_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, n_group=4,
                         topk_group=2, num_experts_per_tok=2, moe_intermediate_size=32),
@@ -231,6 +232,10 @@ def _settings(args, model, mask_id: int):
 
 
 def bench(args) -> dict:
+    if args.shape == "diffusion-gemma-26b-a4b":
+        from .diffusion_gemma_bench import bench as diffusion_gemma_bench
+
+        return diffusion_gemma_bench(args)
     device, dtype = args.device, getattr(torch, args.dtype)
     model = build_model(args.shape, args.model, device, dtype, args.quantization)
     vocab = model.config.get_text_config().vocab_size
@@ -320,6 +325,10 @@ def add_parser(commands) -> None:
                         f"weights: {', '.join(sorted(SHAPES))} (default: %(default)s)")
     parser.add_argument("--model", help="a checkpoint directory instead of a random-weight shape (default: --shape)")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=None, help="diffusion-gemma-26b-a4b: keep this many layers "
+                        "(a time budget; default: all)")
+    parser.add_argument("--denoising-steps", type=int, default=48, help="diffusion-gemma-26b-a4b: steps per "
+                        "canvas on both sides (default: %(default)s, transformers' default)")
     parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per prompt (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=None,
