@@ -26,6 +26,8 @@ class ForwardPlan:
 
     q_limit[r, i]: window query i of row r sees the row's keys at positions [0, q_limit) (block-causal windows give
     every query of a block the end of its block; bidirectional ones the whole canvas). 0 marks padding queries.
+    q_start[r, i]: in sliding-window layers the query sees only keys from q_start on (None: the model has none;
+    docs/design.md, "DiffusionGemma").
     """
 
     backend: Any  # the attention backend that planned the forward and attends in it
@@ -34,14 +36,24 @@ class ForwardPlan:
     write_slots: torch.Tensor  # [R * W] flat page-pool slots of the window positions
     read_slots: torch.Tensor | None = None  # [R, Lk] slots of the dense key range (sdpa)
     key_lengths: torch.Tensor | None = None  # [R] int32 one key length per row (flash_attn: rows are block chunks)
-    _dense_mask: torch.Tensor | None = field(default=None, repr=False)
+    q_start: torch.Tensor | None = None  # [R, W] int32 first key of sliding-window layers
+    _dense_masks: dict = field(default_factory=dict, repr=False)
 
-    def dense_mask(self, key_length: int) -> torch.Tensor:
+    def key_start(self, sliding: bool) -> torch.Tensor | None:
+        """The lower key limits of a layer: q_start in sliding-window layers, else none."""
+        return self.q_start if sliding else None
+
+    def dense_mask(self, key_length: int, sliding: bool = False) -> torch.Tensor:
         """[R, 1, W, key_length] bool; padding queries see key 0 so no softmax row is empty."""
-        if self._dense_mask is None or self._dense_mask.shape[-1] != key_length:
+        mask = self._dense_masks.get(sliding)
+        if mask is None or mask.shape[-1] != key_length:
             keys = torch.arange(key_length, device=self.q_limit.device)
-            self._dense_mask = (keys < self.q_limit.clamp(min=1)[..., None])[:, None]
-        return self._dense_mask
+            mask = keys < self.q_limit.clamp(min=1)[..., None]
+            start = self.key_start(sliding)
+            if start is not None:
+                mask &= (keys >= start[..., None]) | (self.q_limit[..., None] == 0)
+            mask = self._dense_masks[sliding] = mask[:, None]
+        return mask
 
 
 class PagePool:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .config_checks import check_against_profile, check_ids, check_modes, fail
+from .config_checks import check_against_profile, check_canvas_fields, check_ids, check_modes, fail
 from .presets import preset_fields
 from .profiles import ALIGNMENTS, ATTENTIONS, ModelProfile
 from .strategies import STRATEGIES, strategy_names
@@ -102,6 +102,10 @@ class BlockDiffusionConfig:
     < remask_threshold turns back into a mask (None: off); a refinement step ends the refining when it left at
     least stability_threshold of the block's decided tokens unchanged (1: only a step that changes nothing, LLaDA2.1);
     edit_penalty is subtracted from the logit of the token just before a position in its block (0: off).
+    DiffusionGemma's canvas denoising (docs/design.md, "DiffusionGemma"; None: the checkpoint's generation config,
+    else transformers' defaults): max_denoising_steps, entropy_bound, t_max → t_min (the temperature schedule),
+    stop_stability / stop_confidence (adaptive stopping: transformers' stability_threshold / confidence_threshold);
+    noise: "counter" (the fast path's hashes) or "torch" (torch's generator in transformers' order, for tests).
     """
 
     mask_token_id: int | None = None
@@ -156,6 +160,13 @@ class BlockDiffusionConfig:
     prefix_cache_tokens: int = 0
     max_forwards: int | None = None
     max_repeat_run: int | None = None
+    max_denoising_steps: int | None = None
+    entropy_bound: float | None = None
+    t_max: float | None = None
+    t_min: float | None = None
+    stop_stability: int | None = None
+    stop_confidence: float | None = None
+    noise: str = "counter"
 
     def __post_init__(self) -> None:
         self._validate()
@@ -198,6 +209,7 @@ class BlockDiffusionConfig:
             fail("top_k", self.top_k, "pass an integer (≤ 0 disables top-k)")
         if not isinstance(self.top_p, (int, float)) or self.top_p <= 0:
             fail("top_p", self.top_p, "pass a float in (0, 1] (1 disables top-p)")
+        check_canvas_fields(self)
         self._validate_modes()
 
     def _validate_modes(self) -> None:

@@ -86,3 +86,60 @@ def check_ids(cfg, vocab_size: int | None) -> None:
         if any(not 0 <= i < vocab_size for i in ids):
             fail(name, getattr(cfg, name), f"the model's vocabulary has {vocab_size} ids, [0, {vocab_size}) "
                  "(a value not passed here comes from the model's profile): pass the checkpoint's own id")
+
+
+def check_canvas_fields(cfg) -> None:
+    """DiffusionGemma's canvas settings (docs/design.md, "DiffusionGemma"), where they are set."""
+    steps, bound, stability, confidence = (cfg.max_denoising_steps, cfg.entropy_bound, cfg.stop_stability,
+                                           cfg.stop_confidence)
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        fail("max_denoising_steps", steps, "pass a positive integer (denoising steps per canvas)")
+    if bound is not None and (not _number(bound) or bound < 0):
+        fail("entropy_bound", bound, "pass a non-negative float (a larger bound accepts more tokens per step)")
+    for name in ("t_max", "t_min"):
+        if getattr(cfg, name) is not None and (not _number(getattr(cfg, name)) or getattr(cfg, name) < 0):
+            fail(name, getattr(cfg, name), "pass a non-negative temperature")
+    if cfg.t_max is not None and cfg.t_min is not None and cfg.t_min > cfg.t_max:
+        fail("t_min", cfg.t_min, f"the schedule runs from t_max down to t_min: pass t_min ≤ t_max={cfg.t_max}")
+    if cfg.t_max is not None and cfg.t_max == 0:
+        fail("t_max", cfg.t_max, "the temperature divides the logits: pass t_max > 0")
+    if stability is not None and (isinstance(stability, bool) or not isinstance(stability, int) or stability < 0):
+        fail("stop_stability", stability, "pass a number of steps ≥ 0 (0: a canvas is stable at once)")
+    if confidence is not None and (not _number(confidence) or confidence <= 0):
+        fail("stop_confidence", confidence, "pass a mean entropy > 0 (a tiny one turns adaptive stopping off)")
+    if cfg.noise not in ("counter", "torch"):
+        fail("noise", cfg.noise, "choose 'counter' (the fast path) or 'torch' (transformers' random stream)")
+
+
+CANVAS_FIELDS = ("max_denoising_steps", "entropy_bound", "t_max", "t_min", "stop_stability", "stop_confidence", "noise")
+# what else a DiffusionGemma decode reads; every other field is a block-diffusion rule it has no use for
+CANVAS_RUN_FIELDS = ("max_new_tokens", "eos_token_id", "pad_token_id", "attention_backend", "page_size",
+                     "max_cache_tokens", "cuda_graphs", "compile", "preset")
+
+
+def check_block_config(cfg) -> None:
+    """A block-diffusion model (every family but DiffusionGemma) refuses DiffusionGemma's preset and fields."""
+    if cfg.preset == "diffusion_gemma":
+        fail("preset", cfg.preset, "it decodes DiffusionGemmaForBlockDiffusion checkpoints; choose a preset of this "
+             "model's family (or none)")
+    defaults = type(cfg)()
+    for name in CANVAS_FIELDS:
+        if getattr(cfg, name) != getattr(defaults, name):
+            fail(name, getattr(cfg, name), "it is a DiffusionGemma canvas setting; this model decodes blocks: "
+                 "leave it unset")
+
+
+def check_canvas_config(cfg) -> None:
+    """DiffusionGemma refuses other families' presets and the block-diffusion fields it does not read."""
+    if cfg.preset not in (None, "diffusion_gemma"):
+        fail("preset", cfg.preset, "DiffusionGemma decodes canvases, not masked blocks: pass "
+             "preset='diffusion_gemma' (or none)")
+    defaults = type(cfg)()
+    for name in cfg.__dataclass_fields__:
+        if name not in CANVAS_FIELDS + CANVAS_RUN_FIELDS and getattr(cfg, name) != getattr(defaults, name):
+            fail(name, getattr(cfg, name), "DiffusionGemma does not read it (its decoding is set by "
+                 f"{', '.join(CANVAS_FIELDS)}): leave it unset")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -88,6 +88,11 @@ def patch_known_classes() -> None:
         patch_class(getattr(transformers, name))
     for _config, _model, causal_lm, _profile in FAMILIES:
         patch_class(causal_lm)
+    diffusion_gemma = getattr(transformers, "DiffusionGemmaForBlockDiffusion", None)  # transformers ≥ 5.12
+    if diffusion_gemma is not None and not hasattr(diffusion_gemma, "generate_multi_block"):
+        from .model_patches.diffusion_gemma import generate_multi_block as generate_canvases
+
+        diffusion_gemma.generate_multi_block = serialized(generate_canvases)
 
 
 def free_cache(model) -> None:

@@ -113,6 +113,20 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+# transformers' DiffusionGemmaGenerationConfig defaults, taken where the checkpoint's generation config leaves a canvas
+# field unset (docs/design.md, "DiffusionGemma"); config field -> value
+DIFFUSION_GEMMA_DEFAULTS = dict(max_denoising_steps=48, entropy_bound=0.1, t_max=0.8, t_min=0.4, stop_stability=1,
+                                stop_confidence=0.005)
+PRESETS["diffusion_gemma"] = Preset(
+    {},
+    "DiffusionGemma's own decoding: uniform-noise canvases of canvas_length denoised for up to max_denoising_steps "
+    "steps at temperatures t_max → t_min, entropy-bound acceptance with renoising, self-conditioning, adaptive "
+    "stopping; its settings come from the checkpoint's generation config (else transformers' defaults) and each "
+    "field overrides them",
+    "transformers DiffusionGemmaForBlockDiffusion.generate (DiffusionGemmaGenerationMixin), tested token for token",
+)
+
+
 def preset_pins(name: str | None) -> dict:
     """The fields preset `name` pins (none for None)."""
     return {} if name is None else dict(PRESETS[name].fields)

@@ -95,3 +95,12 @@ def score_logits(
         reported = tempered if params.confidence == "unfiltered" else raw
         scores.confidence, scores.entropy, scores.margin, _ = distribution_scores(reported, proposal)
     return scores
+
+
+def categorical_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) per row, computed as `torch.distributions.Categorical(logits=...).entropy()` does
+    (normalized logits clamped at the dtype's minimum, times the probabilities), so DiffusionGemma's acceptance and
+    stopping see transformers' own values (docs/design.md, "DiffusionGemma")."""
+    normalized = logits - logits.logsumexp(-1, keepdim=True)
+    probs = torch.softmax(normalized, -1)
+    return -(normalized.clamp(min=torch.finfo(logits.dtype).min) * probs).sum(-1)

@@ -287,3 +287,12 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
+    """DiffusionGemma's entropy-bound acceptance (docs/design.md, "DiffusionGemma"): per row of `entropy` [S, L],
+    the positions of the lowest entropies whose sum minus the largest of them is ≤ `bound` (the lowest is always
+    taken). Every canvas position is a candidate at every step; sorting as transformers does keeps its tie order."""
+    ordered, order = torch.sort(entropy, dim=-1, descending=False)
+    taken = ordered.cumsum(-1) - ordered <= bound
+    return torch.zeros_like(taken).scatter(-1, order, taken)

@@ -35,7 +35,9 @@ def blockdiff_attention_forward(
         raise RuntimeError("The hf_blockdiff attention runs only inside generate_multi_block.")
     layer = module.layer_idx
     key, value = blockdiff_cache.update(key, value, layer, {"plan": blockdiff_plan})
-    return blockdiff_plan.backend.attend(query, key, value, blockdiff_cache, layer, blockdiff_plan, scaling), None
+    sliding = kwargs.get("sliding_window") is not None  # Gemma-style layers pass their window (None: full)
+    return blockdiff_plan.backend.attend(query, key, value, blockdiff_cache, layer, blockdiff_plan, scaling,
+                                         sliding), None
 
 
 def register() -> None:

@@ -48,8 +48,9 @@ class AttentionBackend:
         return ForwardPlan(self, q_limit, cache.page_table[rows], cache.slots(rows, positions, valid).reshape(-1))
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedBlockCache,
-               layer: int, plan: ForwardPlan, scaling: float | None) -> torch.Tensor:
-        """[R, W, heads, head_dim] attention output of `query` [R, heads, W, head_dim]."""
+               layer: int, plan: ForwardPlan, scaling: float | None, sliding: bool = False) -> torch.Tensor:
+        """[R, W, heads, head_dim] attention output of `query` [R, heads, W, head_dim]; `sliding`: the layer reads
+        keys from the plan's `q_start` on (sliding-window layers)."""
         raise NotImplementedError
 
 
@@ -64,8 +65,8 @@ class SdpaBackend(AttentionBackend):
         plan.read_slots = cache.slots(rows, key_positions, key_positions < q_limit.max(dim=1, keepdim=True).values)
         return plan
 
-    def attend(self, query, key, value, cache, layer, plan, scaling):
-        mask = plan.dense_mask(key.shape[2])
+    def attend(self, query, key, value, cache, layer, plan, scaling, sliding=False):
+        mask = plan.dense_mask(key.shape[2], sliding)
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
         )
@@ -82,8 +83,9 @@ class TritonBackend(AttentionBackend):
     def runs_on(cls, device):
         return TRITON_AVAILABLE and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
-    def attend(self, query, key, value, cache, layer, plan, scaling):
-        return paged_attention(query, cache.keys[layer], cache.values[layer], plan.page_table, plan.q_limit, scaling)
+    def attend(self, query, key, value, cache, layer, plan, scaling, sliding=False):
+        return paged_attention(query, cache.keys[layer], cache.values[layer], plan.page_table, plan.q_limit, scaling,
+                               q_start=plan.key_start(sliding))
 
 
 class FlashBackend(AttentionBackend):
@@ -112,7 +114,9 @@ class FlashBackend(AttentionBackend):
         plan.key_lengths = q_limit.amax(dim=1).clamp(min=1).int()
         return plan
 
-    def attend(self, query, key, value, cache, layer, plan, scaling):
+    def attend(self, query, key, value, cache, layer, plan, scaling, sliding=False):
+        if plan.key_start(sliding) is not None:  # refused before any forward (generation/canvas.py)
+            raise NotImplementedError("flash_attn reads no lower key limit; use attention_backend='triton'.")
         return flash.load().run(query.transpose(1, 2), cache.keys[layer], cache.values[layer], plan.key_lengths,
                                 plan.page_table, scaling)
 

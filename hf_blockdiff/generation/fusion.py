@@ -38,9 +38,10 @@ def _fused_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated decoder layers: the ModuleList with one module per hidden layer."""
+    """The model's repeated layers: every ModuleList with one module per hidden layer (DiffusionGemma has two, its
+    encoder's and its decoder's)."""
     count = model.config.get_text_config().num_hidden_layers
-    return next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count), [])
+    return [layer for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count for layer in m]
 
 
 @functools.cache

@@ -10,6 +10,7 @@ from transformers.utils import ModelOutput
 
 from ..attention import resolve_backend
 from ..config import BlockDiffusionConfig
+from ..config_checks import check_block_config
 from ..profiles import model_profile
 from ..quantization import check_quantization
 from ..tensor_parallel import check_tensor_parallel
@@ -73,6 +74,7 @@ def generate_multi_block(
     if config is not None and not isinstance(config, BlockDiffusionConfig):
         raise TypeError("config must be a BlockDiffusionConfig (or None to use the model's profile).")
     vocab = getattr(self.config, "vocab_size", None)
+    check_block_config(config or BlockDiffusionConfig())
     cfg = (config or BlockDiffusionConfig()).resolved(model_profile(self), vocab)
     prompts = prompts_of(input_ids, attention_mask, cfg, vocab)
     device = input_ids.device
@@ -95,10 +97,10 @@ def generate_multi_block(
     finally:
         self.train(was_training)
     sequences = torch.cat([input_ids.repeat_interleave(samples, 0), results.tokens], dim=1)
-    return _output(sequences, results) if return_dict else sequences
+    return block_output(sequences, results) if return_dict else sequences
 
 
-def _output(sequences: torch.Tensor, results: Results) -> BlockDiffusionOutput:
+def block_output(sequences: torch.Tensor, results: Results) -> BlockDiffusionOutput:
     return BlockDiffusionOutput(
         sequences=sequences, num_forwards=results.num_forwards, steps=results.steps,
         tokens_per_forward=int(results.committed.sum()) / max(int(results.steps.sum()), 1),

@@ -1,7 +1,8 @@
 """Paged attention with per-query key limits, GQA-aware, reading K/V straight from the page pool.
 
-Query (r, i) attends to keys [0, q_limit[r, i]) of row r. Block-causal windows, staircase prefills and
-bidirectional attention are all expressed through these limits, so no [W, L] mask is ever built.
+Query (r, i) attends to keys [q_start[r, i], q_limit[r, i]) of row r (q_start: 0 when not given; sliding-window
+layers pass their window's first key). Block-causal windows, staircase prefills and bidirectional attention are all
+expressed through these limits, so no [W, L] mask is ever built.
 Token position p of row r lives at k_pages[page_table[r, p // page_size], p % page_size].
 """
 
@@ -13,10 +14,10 @@ import torch
 from . import TRITON_AVAILABLE, require_triton
 
 
-def paged_attention_reference(q, k_pages, v_pages, page_table, q_limit, scale):
-    """Per row: gather keys [0, max limit), mask with q_limit, softmax in fp32 (fp64 for fp64 inputs).
+def paged_attention_reference(q, k_pages, v_pages, page_table, q_limit, scale, q_start=None):
+    """Per row: gather keys [0, max limit), mask with [q_start, q_limit), softmax in fp32 (fp64 for fp64 inputs).
 
-    q [R, Hq, W, D]; k_pages, v_pages [num_pages, page_size, Hkv, D]; page_table [R, pages]; q_limit [R, W].
+    q [R, Hq, W, D]; k_pages, v_pages [num_pages, page_size, Hkv, D]; page_table [R, pages]; q_limit, q_start [R, W].
     Returns [R, W, Hq, D] in q's dtype; queries with limit 0 give zeros.
     """
     R, Hq, W, D = q.shape
@@ -30,6 +31,8 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, q_limit, scale):
         v = v_pages[pages, pos % page_size].to(compute).transpose(0, 1).repeat_interleave(Hq // Hkv, dim=0)
         scores = (q[r].to(compute) @ k.transpose(1, 2)) * scale
         visible = pos[None, :] < q_limit[r][:, None]
+        if q_start is not None:
+            visible &= pos[None, :] >= q_start[r][:, None]
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
         out[r] = (probs @ v).transpose(0, 1)
     return out.to(q.dtype)
@@ -59,7 +62,7 @@ def _dot_precision(q):
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=None):
+def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=None, q_start=None):
     """Triton paged attention with the semantics of paged_attention_reference; returns [R, W, Hq, D].
 
     One launch, or two when the key range is split (flash-decoding): num_splits=None splits only when
@@ -73,7 +76,8 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
     group = Hq // Hkv
     if q.stride(-1) != 1:
         q = q.contiguous()
-    k_pages, v_pages = k_pages.contiguous(), v_pages.contiguous()
+    k_pages, v_pages, q_limit = k_pages.contiguous(), v_pages.contiguous(), q_limit.contiguous()
+    starts = q_limit if q_start is None else q_start.to(q_limit.dtype).contiguous()  # read only with HAS_START
     out = torch.empty(R, W, Hq, D, device=q.device, dtype=q.dtype)
     if out.numel() == 0:
         return out
@@ -98,13 +102,13 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
         part_o = part_ml = out
 
     _paged_attention_kernel[(m_tiles, R * Hkv, splits)](
-        q, k_pages, v_pages, page_table, q_limit, out, part_o, part_ml,
+        q, k_pages, v_pages, page_table, q_limit, starts, out, part_o, part_ml,
         q.stride(0), q.stride(1), q.stride(2),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         page_table.stride(0), q_limit.stride(0), q_limit.stride(1),
         W, Hkv, split_len, scale * math.log2(math.e),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=splits > 1, DOT_PRECISION=_dot_precision(q),
+        SPLIT=splits > 1, DOT_PRECISION=_dot_precision(q), HAS_START=q_start is not None,
         num_warps=num_warps, num_stages=3,
     )
     if splits > 1:
@@ -129,13 +133,14 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _paged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, pt_ptr, lim_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+        q_ptr, k_ptr, v_ptr, pt_ptr, lim_ptr, start_ptr, out_ptr, part_o_ptr, part_ml_ptr,
         s_qr, s_qh, s_qw,
         s_kp, s_ks, s_kh,
         s_pt, s_lr, s_lw,
         W, Hkv, split_len, qk_scale,
         GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        HAS_START: tl.constexpr,
     ):
         # Tile rows are (query, head-in-group) pairs, m = w * GROUP + g, all sharing KV head hkv.
         pid_m, pid_rh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -155,6 +160,10 @@ if TRITON_AVAILABLE:
         )
         lo = split * split_len
         hi = tl.minimum(lo + split_len, tl.max(lim, 0))
+        first = tl.zeros([BLOCK_M], tl.int32)
+        if HAS_START:  # sliding-window rows: keys before the tile's earliest window start are skipped, not read
+            first = tl.load(start_ptr + r * s_lr + w * s_lw, mask=row_ok, other=0)
+            lo = tl.maximum(lo, tl.min(tl.where(row_ok, first, hi), 0))
         pt_row = pt_ptr + r * s_pt
         kv_head = hkv * s_kh + offs_d[None, :]
 
@@ -170,7 +179,8 @@ if TRITON_AVAILABLE:
             k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
             s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_PRECISION) * qk_scale
-            s = tl.where(n[None, :] < lim[:, None], s, float("-inf"))
+            visible = n_ok[None, :] & (n[None, :] < lim[:, None]) & (n[None, :] >= first[:, None])  # n_ok: lo may
+            s = tl.where(visible, s, float("-inf"))  # be off the BLOCK_N grid, so a tile can cross the split's end
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)

@@ -44,6 +44,15 @@ def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> 
     return -torch.log(-torch.log(uniform_noise(seed, counter, vocab_size)))
 
 
+TOKEN_SALT = 0x5BD1E995  # keys the token draws apart from the Gumbel noise of the same counter
+
+
+def uniform_tokens(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """One token id per (seed, counter) element, uniform over [0, vocab_size) up to a bias below vocab_size / 2**32
+    (the 32-bit hash modulo the vocabulary); same shapes in, int64 out."""
+    return fmix32(row_keys(seed.long(), counter.long()) ^ TOKEN_SALT) % vocab_size
+
+
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl

@@ -175,6 +175,10 @@ def _settings(args, model, mask_id: int):
 
 
 def bench(args) -> dict:
+    if args.shape == "diffusion-gemma-26b-a4b":
+        from .diffusion_gemma_bench import bench as diffusion_gemma_bench
+
+        return diffusion_gemma_bench(args)
     device, dtype = args.device, getattr(torch, args.dtype)
     model = build_model(args.shape, args.model, device, dtype, args.quantization, args.tensor_parallel)
     vocab = model.config.get_text_config().vocab_size
@@ -274,6 +278,10 @@ def add_parser(commands) -> None:
                         f"weights: {', '.join(sorted(SHAPES))} (default: %(default)s)")
     parser.add_argument("--model", help="a checkpoint directory instead of a random-weight shape (default: --shape)")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=None, help="diffusion-gemma-26b-a4b: keep this many layers "
+                        "(a time budget; default: all)")
+    parser.add_argument("--denoising-steps", type=int, default=48, help="diffusion-gemma-26b-a4b: steps per "
+                        "canvas on both sides (default: %(default)s, transformers' default)")
     parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per prompt (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=None,

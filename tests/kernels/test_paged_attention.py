@@ -46,11 +46,12 @@ def window_limits(prefixes, block, num_blocks):
     return torch.tensor(prefixes)[:, None] + steps[None, :]
 
 
-def check(limits, Hkv, group, head_dim, page_size, dtype, device, assert_close, seed, num_splits=None):
+def check(limits, Hkv, group, head_dim, page_size, dtype, device, assert_close, seed, num_splits=None, starts=None):
     q, k, v, pt, lim = make_inputs(limits, Hkv, group, head_dim, page_size, dtype, device, seed)
     scale = head_dim**-0.5
-    out = paged_attention(q, k, v, pt, lim, scale, num_splits=num_splits)
-    ref = paged_attention_reference(q.double(), k.double(), v.double(), pt, lim, scale)
+    starts = None if starts is None else starts.int().to(lim.device)
+    out = paged_attention(q, k, v, pt, lim, scale, num_splits=num_splits, q_start=starts)
+    ref = paged_attention_reference(q.double(), k.double(), v.double(), pt, lim, scale, q_start=starts)
     assert out.shape == (q.shape[0], q.shape[2], q.shape[1], head_dim) and out.dtype == dtype and out.is_contiguous()
     assert (out[lim == 0] == 0).all()
     assert_close(out, ref, dtype)
@@ -86,6 +87,24 @@ def test_staircase_prefill(group, length, device, assert_close, poisoned):
     steps = ((torch.arange(length) // 4 + 1) * 4).clamp(max=length)
     limits = torch.stack([steps, torch.full((length,), length)])  # row 1 is bidirectional
     check(limits, 2, group, 64, 16, torch.bfloat16, device, assert_close, seed=length)
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("window", [1, 5, 40])
+def test_sliding_window_starts(window, num_splits, device, assert_close, poisoned):
+    """Keys [q_start, q_limit): a causal sliding window (start = position - window + 1) over a long prefix, and a
+    canvas row whose queries all see the last window - 1 prefix keys and the whole canvas (DiffusionGemma's decoder);
+    the reference without starts differs, so ignoring them fails."""
+    causal = torch.arange(1, 70)[None, :].repeat(2, 1)
+    canvas = torch.full((1, 69), 50 + 19)
+    limits = torch.cat([causal, canvas])
+    starts = torch.cat([(causal - window).clamp(min=0), torch.full((1, 69), max(50 - window + 1, 0))])
+    check(limits, 2, 2, 64, 16, torch.float32, device, assert_close, seed=window, num_splits=num_splits,
+          starts=starts)
+    q, k, v, pt, lim = make_inputs(limits, 2, 2, 64, 16, torch.float32, device, window)
+    full = paged_attention_reference(q.double(), k.double(), v.double(), pt, lim, 0.125)
+    windowed = paged_attention_reference(q.double(), k.double(), v.double(), pt, lim, 0.125, q_start=starts.int())
+    assert not torch.allclose(full, windowed)
 
 
 @pytest.mark.parametrize("head_dim", [96, 256])

@@ -1,0 +1,222 @@
+"""DiffusionGemma on the paged cache (docs/design.md, "DiffusionGemma"): an encoder writes the prompt and every
+finished canvas into `PagedBlockCache`; a decoder with its own weights denoises a canvas of `canvas_length` tokens
+bidirectionally over that prefix, read-only (its canvas K/V are written ahead of the committed pointer, as every
+window here). The canvas rules (noise, acceptance, stopping, temperature) are `scheduler.canvas`'s; the model's
+pieces come from `model_patches.diffusion_gemma` as a `CanvasModel`.
+
+A denoise step has fixed shapes [slots, canvas_length] and no host sync, so with the `triton` backend on CUDA it is
+captured once as a CUDA graph and replayed; the host reads one flag per step (has every canvas stopped).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..attention import AttentionBackend
+from ..cache import PagedBlockCache
+from ..scheduler.canvas import CanvasRules, CanvasState, CounterNoise, TorchOrderNoise
+from ..scoring import categorical_entropy
+from .engine import Results
+
+
+class CanvasModel(Protocol):
+    """What the canvas engine needs of a model (model_patches.diffusion_gemma.DiffusionGemmaRunner)."""
+
+    num_layers: int
+    hidden_size: int
+    sliding_window: int | None
+
+    def encode(self, tokens: torch.Tensor, positions: torch.Tensor, **attention) -> None: ...
+
+    def denoise(self, tokens: torch.Tensor, positions: torch.Tensor, conditioning: torch.Tensor,
+                **attention) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def conditioning(self, processed: torch.Tensor) -> torch.Tensor: ...
+
+    def decoding(self, fusion: str): ...
+
+
+@dataclass(frozen=True)
+class CanvasRun:
+    """One call's settings beside the canvas rules."""
+
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+    pad_token_id: int | None
+    noise: str  # "counter" | "torch"
+    graphs: bool
+    fusion: str
+    page_size: int
+
+
+class CanvasEngine:
+    def __init__(self, runner: CanvasModel, rules: CanvasRules, run: CanvasRun, prompts: list[torch.Tensor],
+                 backend: AttentionBackend, seeds: torch.Tensor | None, generator, device: torch.device):
+        self.runner, self.rules, self.run, self.backend = runner, rules, run, backend
+        slots, length = len(prompts), rules.length
+        self.canvases = math.ceil(run.max_new_tokens / length)
+        self.prompt_len = torch.tensor([len(p) for p in prompts], device=device)
+        width = int(self.prompt_len.max()) + self.canvases * length
+        self.cache = PagedBlockCache(runner.num_layers, run.page_size)
+        self.cache.start(slots, width, slots * self.cache.pages_for(width) * run.page_size, device)
+        for row, prompt_len in enumerate(self.prompt_len.tolist()):
+            self.cache.assign(row, self.cache.pages.take(self.cache.pages_for(prompt_len + self.canvases * length)))
+        self.state = CanvasState(rules, slots, device)
+        self.noise = (CounterNoise(rules, seeds) if run.noise == "counter"
+                      else TorchOrderNoise(rules, slots, generator, device))
+        self.conditioning = torch.zeros(slots, length, runner.hidden_size, dtype=runner.dtype, device=device)
+        self.logprob = torch.zeros(slots, length, device=device)
+        self.entropy = torch.zeros(slots, length, device=device)
+        self.canvas_index = torch.zeros(slots, dtype=torch.long, device=device)
+        self.offsets = torch.arange(length, device=device)
+        self.rows = torch.arange(slots, device=device)
+        self.graph, self.forwards = None, 0
+
+    def plan(self, positions: torch.Tensor, valid: torch.Tensor, limits: torch.Tensor, starts: torch.Tensor):
+        """The attention plan of a forward over every slot: keys [starts, limits) in sliding-window layers, [0,
+        limits) in the others (docs/design.md, "DiffusionGemma")."""
+        plan = self.backend.plan(self.cache, self.rows, positions, valid, limits.int())
+        if self.runner.sliding_window is not None:
+            plan.q_start = starts.clamp(min=0).int()
+        return plan
+
+    def encode(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
+        """The encoder over `tokens` [S, W] placed after each slot's committed tokens (causal; a sliding layer sees
+        the last `sliding_window` keys up to the query); their K/V are committed."""
+        positions = self.cache.committed[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+        window = self.runner.sliding_window or 1
+        plan = self.plan(positions, valid, torch.where(valid, positions + 1, 0), positions - window + 1)
+        self.runner.encode(tokens, positions, blockdiff_cache=self.cache, blockdiff_plan=plan)
+        self.cache.commit(self.rows, valid.sum(1))
+        self.forwards += 1
+
+    def denoise_step(self) -> None:
+        """One fixed-shape denoising step of every slot's canvas (frozen canvases are computed and left as they
+        were, as transformers' batch does)."""
+        rules, state, runner = self.rules, self.state, self.runner
+        slots, length = state.canvas.shape
+        base = self.cache.committed[:, None]
+        positions = base + self.offsets
+        first = base - (runner.sliding_window or 1) + 1  # the decoder's sliding layers: the last W − 1 prefix keys
+        plan = self.plan(positions, torch.ones_like(positions, dtype=torch.bool),
+                         (base + length).expand_as(positions), first.expand_as(positions))
+        hidden = runner.denoise(state.canvas, positions, self.conditioning, blockdiff_cache=self.cache,
+                                blockdiff_plan=plan)
+        processed = runner.logits(hidden.reshape(slots * length, -1)) / state.temperature()
+        step = state.step + 1
+        sampled = self.noise.sample(processed, self.canvas_index, step).view(slots, length)
+        argmax = processed.argmax(-1)
+        entropy = categorical_entropy(processed)
+        logprob = processed.max(-1).values - processed.logsumexp(-1)
+        live = state.update(sampled, argmax.view(slots, length), entropy.view(slots, length),
+                            self.noise.tokens(self.canvas_index, step))
+        keep = live[:, None]
+        self.entropy.copy_(torch.where(keep, entropy.view(slots, length), self.entropy))
+        self.logprob.copy_(torch.where(keep, logprob.view(slots, length), self.logprob))
+        conditioning = runner.conditioning(processed).view(self.conditioning.shape)
+        self.conditioning.copy_(torch.where(keep[..., None], conditioning, self.conditioning))
+
+    def step(self) -> None:
+        """A denoise step: replayed from its CUDA graph when graphs are on (captured after the first step)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.denoise_step()
+            if self.run.graphs and self.state.canvas.is_cuda:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.denoise_step()
+        self.forwards += 1
+
+    def generate(self, prompts: list[torch.Tensor], stream=None) -> Results:
+        """Canvas after canvas until every prompt holds a stop id or `max_new_tokens` are covered."""
+        rules, state, run = self.rules, self.state, self.run
+        device = state.canvas.device
+        padded = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)
+        valid = torch.arange(padded.shape[1], device=device) < self.prompt_len[:, None]
+        tokens = padded
+        stopped = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        stop_ids = torch.tensor(run.stop_ids, dtype=torch.long, device=device)
+        generated, steps_at = [], []
+        with self.runner.decoding(run.fusion):
+            for canvas in range(self.canvases):
+                self.encode(tokens, valid)
+                self.canvas_index.fill_(canvas)
+                state.start(self.noise.tokens(self.canvas_index, torch.zeros((), dtype=torch.long, device=device)),
+                            ~stopped)
+                self.conditioning.zero_()
+                while True:
+                    self.step()
+                    if stream is not None:
+                        stream.draft(state.argmax[0])
+                    if bool(state.finished()):
+                        break
+                tokens, valid = state.argmax.clone(), torch.ones_like(state.argmax, dtype=torch.bool)
+                generated.append((tokens, self.logprob.clone(), self.entropy.clone()))
+                steps_at.append(self.forwards)
+                stopped |= torch.isin(tokens, stop_ids).any(1)
+                if stream is not None:
+                    stream.canvas(tokens[0])
+                if bool(stopped.all()):
+                    break
+        return self.results(generated, steps_at, stop_ids)
+
+    def results(self, generated: list, steps_at: list[int], stop_ids: torch.Tensor) -> Results:
+        """Tokens up to each prompt's first stop id, `pad_token_id` after it (none without a pad id, as
+        transformers), cut to `max_new_tokens`; commit steps are the forward that ended the token's canvas."""
+        run, length = self.run, self.rules.length
+        tokens, logprobs, entropies = (torch.cat([g[i] for g in generated], 1)[:, : run.max_new_tokens]
+                                       for i in range(3))
+        commit = torch.tensor([s for s in steps_at for _ in range(length)], device=tokens.device)
+        commit = commit[: tokens.shape[1]].expand_as(tokens).clone()
+        dropped = torch.zeros_like(tokens, dtype=torch.bool)
+        if run.pad_token_id is not None:
+            is_stop = torch.isin(tokens, stop_ids)
+            dropped = (is_stop.cumsum(1) - is_stop.long()) > 0
+            tokens = tokens.masked_fill(dropped, run.pad_token_id)
+        new = run.max_new_tokens
+        if tokens.shape[1] < new:  # every prompt stopped before the last canvas
+            fill = new - tokens.shape[1]
+            tokens = torch.nn.functional.pad(tokens, (0, fill), value=run.pad_token_id or 0)
+            dropped = torch.nn.functional.pad(dropped, (0, fill), value=True)
+            logprobs, entropies, commit = (torch.nn.functional.pad(t, (0, fill)) for t in (logprobs, entropies, commit))
+        return Results(tokens=tokens, commit_step=commit.masked_fill(dropped, -1),
+                       logprobs=logprobs.masked_fill(dropped, 0.0), entropies=entropies.masked_fill(dropped, 0.0),
+                       num_forwards=self.forwards, steps=self.state.steps.clone(), committed=(~dropped).sum(1),
+                       edits=torch.zeros_like(self.state.steps))
+
+
+class CanvasStream:
+    """Feeds a transformers streamer (batch 1): `put` the prompt, then each finished canvas up to the first stop id;
+    `put_draft(tokens, decided)` (if the streamer has it) the current argmax canvas after every step, none of it
+    decided yet."""
+
+    def __init__(self, streamer, input_ids: torch.Tensor, stop_ids: tuple[int, ...]):
+        if input_ids.shape[0] != 1:
+            raise ValueError("streamer needs a batch of one prompt.")
+        self.streamer, self.stop_ids, self.stopped = streamer, stop_ids, False
+        self.put_draft = getattr(streamer, "put_draft", None)
+        streamer.put(input_ids[0].cpu())
+
+    def draft(self, argmax: torch.Tensor) -> None:
+        if self.put_draft is not None and not self.stopped:
+            tokens = argmax.to("cpu", copy=True)
+            self.put_draft(tokens, torch.zeros_like(tokens, dtype=torch.bool))
+
+    def canvas(self, tokens: torch.Tensor) -> None:
+        if self.stopped:
+            return
+        tokens = tokens.cpu()
+        stops = torch.isin(tokens, torch.tensor(self.stop_ids, dtype=torch.long))
+        if bool(stops.any()):
+            tokens, self.stopped = tokens[: int(stops.int().argmax()) + 1], True
+        self.streamer.put(tokens)
+
+    def end(self) -> None:
+        self.streamer.end()

@@ -1,0 +1,138 @@
+"""DiffusionGemma's canvas denoising, model-free (docs/design.md, "DiffusionGemma"): the canvas state of every
+slot, the temperature schedule, the uniform-noise canvas and its renoising, entropy-bound acceptance and adaptive
+stopping. The executor gives it, per step, the sampled tokens, the argmax and the entropies of every canvas
+position; this class decides the next canvas. Every update is in place on fixed buffers with no host sync, so a
+denoise step can be captured as a CUDA graph.
+
+Slots move in lockstep, as transformers' `generate` moves its batch: every slot starts a canvas together, and a slot
+whose canvas has stopped keeps its tokens, argmax and self-conditioning frozen while the others denoise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.rng import uniform_tokens
+from ..kernels.scoring import gumbel_argmax
+from ..strategies import entropy_bound_accept
+
+
+NOISE_ELEMENTS = 1 << 24  # Gumbel noise values hashed at once
+
+
+@dataclass(frozen=True)
+class CanvasRules:
+    """The settings of a DiffusionGemma decode (BlockDiffusionConfig's canvas fields, resolved)."""
+
+    length: int  # canvas_length, L
+    vocab_size: int
+    steps: int  # max_denoising_steps, N
+    entropy_bound: float
+    t_max: float
+    t_min: float
+    stability: int  # steps the argmax must repeat (0: stable at once)
+    confidence: float  # mean entropy below which a stable canvas stops
+
+
+class CanvasState:
+    """Per slot: the canvas being denoised, its latest argmax, the argmax history and whether it still denoises."""
+
+    def __init__(self, rules: CanvasRules, slots: int, device: torch.device):
+        self.rules = rules
+        length = rules.length
+        self.canvas = torch.zeros(slots, length, dtype=torch.long, device=device)
+        self.argmax = torch.zeros_like(self.canvas)
+        self.history = torch.full((rules.stability, slots, length), -1, dtype=torch.long, device=device)
+        self.denoising = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.step = torch.zeros((), dtype=torch.int32, device=device)  # steps of the current canvas so far
+        self.steps = torch.zeros(slots, dtype=torch.long, device=device)  # decoding steps per slot (TPF)
+        self.counting = torch.zeros(slots, dtype=torch.bool, device=device)  # slots not stopped by a stop id
+
+    def start(self, tokens: torch.Tensor, counting: torch.Tensor) -> None:
+        """A new canvas in every slot, holding `tokens` [S, L] (uniform noise); `counting`: slots whose steps count."""
+        self.canvas.copy_(tokens)
+        self.argmax.copy_(tokens)
+        self.history.fill_(-1)
+        self.denoising.fill_(True)
+        self.step.zero_()
+        self.counting.copy_(counting)
+
+    def temperature(self) -> torch.Tensor:
+        """The schedule's temperature at this step (a 0-dim float32 tensor): transformers' linear schedule
+        t = t_min + (t_max − t_min) · n / N over the steps remaining n = N … 1, with its float32 arithmetic."""
+        rules = self.rules
+        remaining = rules.steps - self.step
+        return rules.t_min + ((rules.t_max - rules.t_min) * (remaining / rules.steps))
+
+    def update(self, sampled: torch.Tensor, argmax: torch.Tensor, entropy: torch.Tensor,
+               fresh: torch.Tensor) -> torch.Tensor:
+        """One denoising step from the step's samples, argmax and entropies [S, L] and `fresh` uniform tokens:
+        accepted positions take their sample, the others the fresh noise; a slot stops once its argmax repeated
+        for `stability` steps and its mean entropy is below `confidence`. Returns the slots that were denoising
+        (their self-conditioning moves on)."""
+        rules, live = self.rules, self.denoising.clone()
+        self.steps.add_((live & self.counting).long())
+        accepted = entropy_bound_accept(entropy, rules.entropy_bound)
+        renoised = torch.where(accepted, sampled, fresh)
+        self.canvas.copy_(torch.where(live[:, None], renoised, self.canvas))
+        self.argmax.copy_(torch.where(live[:, None], argmax, self.argmax))
+        stable = (self.history == self.argmax[None]).all(-1).all(0)
+        if rules.stability:
+            self.history.copy_(torch.roll(self.history, shifts=-1, dims=0))
+            self.history[-1] = self.argmax
+        confident = entropy.mean(-1) < rules.confidence
+        self.denoising.copy_(live & ~(stable & confident))
+        self.step.add_(1)
+        return live
+
+    def finished(self) -> torch.Tensor:
+        """0-dim bool: no slot denoises any more, or the canvas has had its N steps."""
+        return ~self.denoising.any() | (self.step >= self.rules.steps)
+
+
+class CounterNoise:
+    """The fast path's noise: counter-based hashes of (prompt seed, canvas, step, position[, token]), so a prompt
+    samples the same alone and in any batch (docs/design.md, "Scoring and strategies"). Counters: position p of
+    canvas c at step t (t = 0: the initial canvas) is (c·(N + 1) + t)·L + p, mod 2**32."""
+
+    def __init__(self, rules: CanvasRules, seeds: torch.Tensor):
+        self.rules, self.seeds = rules, seeds
+        self.positions = torch.arange(rules.length, device=seeds.device)
+
+    def counters(self, canvas: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """[S, L] counters of the given canvas index [S] and step (0-dim)."""
+        rules = self.rules
+        return ((canvas[:, None] * (rules.steps + 1) + step) * rules.length + self.positions) & 0xFFFFFFFF
+
+    def tokens(self, canvas: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """Uniform tokens [S, L]: the initial canvas (step 0) and the renoising after step t."""
+        counters = self.counters(canvas, step)
+        return uniform_tokens(self.seeds[:, None].expand_as(counters), counters, self.rules.vocab_size)
+
+    def sample(self, processed: torch.Tensor, canvas: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """A token per row of `processed` [S·L, V] from softmax(processed): Gumbel-max with this step's noise, in
+        row chunks of at most NOISE_ELEMENTS noise values (the int64 hash of a full [S·L, V] would not fit)."""
+        counters = self.counters(canvas, step).reshape(-1)
+        seeds = self.seeds.repeat_interleave(self.rules.length)
+        rows = max(1, NOISE_ELEMENTS // processed.shape[1])
+        return torch.cat([gumbel_argmax(processed[i : i + rows], seeds[i : i + rows], counters[i : i + rows])
+                          for i in range(0, processed.shape[0], rows)])
+
+
+class TorchOrderNoise:
+    """Compatibility noise (`noise="torch"`): torch's generator drawn in the order transformers' `generate` draws
+    it (per canvas `randint` [S, L]; per step `multinomial` over every slot's softmax, then `randint` [S, L]), so
+    a seeded run gives its tokens. The draws depend on the whole batch and sync with the host: tests only."""
+
+    def __init__(self, rules: CanvasRules, slots: int, generator: torch.Generator | None, device: torch.device):
+        self.rules, self.slots, self.generator, self.device = rules, slots, generator, device
+
+    def tokens(self, canvas: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        shape = (self.slots, self.rules.length)
+        return torch.randint(0, self.rules.vocab_size, shape, generator=self.generator, device=self.device)
+
+    def sample(self, processed: torch.Tensor, canvas: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(-1)

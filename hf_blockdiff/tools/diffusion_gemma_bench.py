@@ -1,0 +1,73 @@
+"""`hf-blockdiff bench --shape diffusion-gemma-26b-a4b`: DiffusionGemma through generate_multi_block against
+transformers' own `generate`, same process, same prompts, random weights (docs/design.md, "DiffusionGemma").
+
+Both sides run every canvas for exactly `--denoising-steps` steps (adaptive stopping is given a confidence no canvas
+reaches), so they do the same work per step whatever the acceptance; the report gives tok/s, ms per denoising step
+(`ms_per_forward`: a forward is a decoder step; encoder forwards are timed but not counted), denoising steps per
+prompt (`forwards`), tokens per step (TPF, per prompt) and peak memory. `--layers` keeps the first N layers to fit a time budget.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .bench import _measure
+
+# DiffusionGemma 26B-A4B's text sizes as assumed here (no checkpoint is read: check them against the released
+# config.json before quoting a number); 5:1 sliding/full layers come from the config's default pattern
+SIZES_26B_A4B = dict(vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                     num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+                     num_global_key_value_heads=2, sliding_window=1024, num_experts=128, top_k_experts=8,
+                     moe_intermediate_size=704, max_position_embeddings=262_144)
+NEVER_CONFIDENT = 1e-30  # adaptive stopping on both sides, never firing: every canvas takes every step
+
+
+def build(layers: int | None, device: str, dtype: torch.dtype):
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    sizes = dict(SIZES_26B_A4B)
+    if layers is not None:
+        sizes["num_hidden_layers"] = layers
+        sizes["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention"
+                                for i in range(layers)]
+    config = DiffusionGemmaConfig(text_config=sizes, vision_config={"model_type": "gemma4_vision"})
+    with torch.device(device):
+        model = DiffusionGemmaForBlockDiffusion(config).to(dtype)
+    return model.eval()
+
+
+def bench(args) -> dict:
+    from ..config import BlockDiffusionConfig
+
+    device, dtype = args.device, getattr(torch, args.dtype)
+    model = build(args.layers, device, dtype)
+    steps, new = args.denoising_steps, args.new_tokens
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (args.batch_size, args.prompt_len), generator=generator).to(device)
+    cfg = BlockDiffusionConfig(max_new_tokens=new, max_denoising_steps=steps, stop_confidence=NEVER_CONFIDENT,
+                               attention_backend=args.attention_backend)
+
+    def ours():
+        out = model.generate_multi_block(prompts, cfg, return_dict=True)
+        return int(out.steps.max())
+
+    def reference():
+        out = model.generate(prompts, max_new_tokens=new, max_denoising_steps=steps,
+                             confidence_threshold=NEVER_CONFIDENT)
+        return int(round(float((new / out.tokens_per_forward).max())))
+
+    tokens = args.batch_size * new
+    first = _measure("hf_blockdiff (first call)", ours, device, tokens, args.batch_size)  # compiles, captures
+    results = [_measure("hf_blockdiff", ours, device, tokens, args.batch_size)]
+    from ..patching import free_cache
+
+    free_cache(model)
+    if not args.skip_reference:
+        results.append(_measure("transformers generate", reference, device, tokens, args.batch_size))
+    report = {"settings": {k: v for k, v in vars(args).items() if k not in ("run", "json")},
+              "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+              "first_call_overhead_s": round(first.seconds - results[0].seconds, 3), "results": [m.row() for m in results]}
+    if len(results) == 2:
+        report["speedup"] = round(results[0].tok_s / results[1].tok_s, 2)
+    return report

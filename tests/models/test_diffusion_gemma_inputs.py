@@ -1,0 +1,157 @@
+"""DiffusionGemma: bad input refused before any forward with the model unchanged, the preset, the counter noise's
+distributions, and (GPU) the captured fast path against the eager one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_gemma_models import CANVAS, VOCAB, prompts, settings, tiny_diffusion_gemma
+
+from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.kernels.rng import uniform_tokens
+from hf_blockdiff.scheduler.canvas import CanvasRules, CounterNoise
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_diffusion_gemma("mixed_moe")
+
+
+def forwards_counted(model):
+    calls = []
+    handles = [module.register_forward_hook(lambda *_: calls.append(1))
+               for module in (model.model.encoder.language_model.layers[0], model.model.decoder.layers[0])]
+    return calls, handles
+
+
+@pytest.mark.parametrize("make_config,field", [
+    (lambda: BlockDiffusionConfig(entropy_bound=-0.1), "entropy_bound"),
+    (lambda: BlockDiffusionConfig(t_max=0.3, t_min=0.5), "t_min"),
+    (lambda: BlockDiffusionConfig(max_denoising_steps=0), "max_denoising_steps"),
+    (lambda: BlockDiffusionConfig(stop_stability=-1), "stop_stability"),
+    (lambda: BlockDiffusionConfig(noise="philox"), "noise"),
+])
+def test_invalid_canvas_settings_name_the_field(make_config, field):
+    with pytest.raises(ValueError, match=field):
+        make_config()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda m, ids: m.generate_multi_block(ids, BlockDiffusionConfig.from_preset("sdar")), "preset"),
+    (lambda m, ids: m.generate_multi_block(ids, BlockDiffusionConfig(strategy="entropy_bounded")), "strategy"),
+    (lambda m, ids: m.generate_multi_block(ids, pixel_values=torch.zeros(1, 3, 8, 8)), "image"),
+    (lambda m, ids: m.generate_multi_block(torch.cat([ids, torch.tensor([[VOCAB + 10]])], 1)), "image"),
+    (lambda m, ids: m.generate_multi_block(ids, BlockDiffusionConfig(attention_backend="flash_attn")), "triton"),
+    (lambda m, ids: m.generate_multi_block(ids, BlockDiffusionConfig(noise="torch", cuda_graphs=True)), "noise"),
+    (lambda m, ids: m.generate_multi_block(ids, BlockDiffusionConfig(max_new_tokens=1024)), "max_position"),
+])
+def test_bad_input_before_any_forward_model_unchanged(model, call, match):
+    ids, _ = prompts([6])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls, handles = forwards_counted(model)
+    try:
+        with pytest.raises(ValueError, match=match):
+            call(model, ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == [] and not model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.config._attn_implementation != "hf_blockdiff"
+
+
+def test_canvas_length_that_does_not_fit(model):
+    ids, _ = prompts([6])
+    model.config.canvas_length = 0
+    try:
+        with pytest.raises(ValueError, match="canvas_length"):
+            model.generate_multi_block(ids)
+    finally:
+        model.config.canvas_length = CANVAS
+
+
+def test_diffusion_gemma_preset_refused_on_another_family(qwen3):
+    with pytest.raises(ValueError, match="preset"):
+        qwen3.generate_multi_block(torch.tensor([[1, 2, 3]]), BlockDiffusionConfig.from_preset("diffusion_gemma"))
+    with pytest.raises(ValueError, match="entropy_bound"):
+        qwen3.generate_multi_block(torch.tensor([[1, 2, 3]]), BlockDiffusionConfig(entropy_bound=0.2))
+
+
+def test_preset_takes_the_generation_config_then_transformers_defaults(model, monkeypatch):
+    """Unset canvas fields come from the checkpoint's generation config, else transformers' defaults; the preset's
+    fields override them (the rules the engine receives are checked)."""
+    from hf_blockdiff.model_patches import diffusion_gemma
+
+    model.generation_config.max_denoising_steps = 7
+    try:
+        rules = diffusion_gemma.canvas_rules(model, BlockDiffusionConfig.from_preset("diffusion_gemma"))
+        assert (rules.steps, rules.entropy_bound, rules.t_max, rules.t_min, rules.stability, rules.confidence) == (
+            7, 0.1, 0.8, 0.4, 1, 0.005)
+        rules = diffusion_gemma.canvas_rules(model, BlockDiffusionConfig.from_preset(
+            "diffusion_gemma", max_denoising_steps=3, entropy_bound=0.5, t_max=1.0, t_min=0.2, stop_stability=2,
+            stop_confidence=0.1))
+        assert (rules.steps, rules.entropy_bound, rules.t_max, rules.t_min, rules.stability, rules.confidence) == (
+            3, 0.5, 1.0, 0.2, 2, 0.1)
+    finally:
+        model.generation_config.max_denoising_steps = None
+
+
+def test_counter_noise_distributions():
+    """Gumbel-max with the counter noise samples softmax(z); the renoising tokens are uniform."""
+    rules = CanvasRules(length=4096, vocab_size=5, steps=4, entropy_bound=0.1, t_max=0.8, t_min=0.4, stability=1,
+                        confidence=0.005)
+    noise = CounterNoise(rules, torch.tensor([12345, 777]))
+    z = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf")])
+    expected = torch.softmax(z, -1)
+    draws = torch.cat([noise.sample(z.expand(2 * 4096, 5), torch.tensor([c, c]), torch.tensor(s))
+                       for c in range(3) for s in range(1, 4)])
+    frequency = torch.bincount(draws, minlength=5) / len(draws)
+    assert (frequency - expected).abs().max() < 0.01 and frequency[4] == 0
+    tokens = uniform_tokens(torch.full((200_000,), 99), torch.arange(200_000), 7)
+    counts = torch.bincount(tokens, minlength=7).double()
+    chi2 = ((counts - counts.mean()) ** 2 / counts.mean()).sum()
+    assert chi2 < 30  # 6 degrees of freedom: p < 1e-4 beyond
+
+
+def test_counter_noise_is_independent_of_the_batch(model):
+    """A prompt decodes the same alone and beside others with the counter noise (its seed is its own)."""
+    _, fields = settings(4, bound=3.0, confidence=2.5, stability=0)
+    cfg = BlockDiffusionConfig(max_new_tokens=2 * CANVAS, **fields)
+    ids, mask = prompts([9, 14])
+    both = model.generate_multi_block(ids, cfg, attention_mask=mask, generator=torch.Generator().manual_seed(3))
+    alone = model.generate_multi_block(ids[:1, -9:], cfg, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(both[0, -2 * CANVAS:], alone[0, -2 * CANVAS:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mixed_moe", "single_expert"])
+def test_cuda_graph_step_matches_eager_sdpa_gpu(name, monkeypatch):
+    """On CUDA: the captured step (triton attention with window starts, compiled layers, CUDA graph) gives the
+    tokens of the eager sdpa step with the same counter noise."""
+    from hf_blockdiff.generation import canvas
+
+    engines, init = [], canvas.CanvasEngine.__init__
+    monkeypatch.setattr(canvas.CanvasEngine, "__init__", lambda self, *a: (engines.append(self), init(self, *a)))
+    model = tiny_diffusion_gemma(name).cuda()
+    _, fields = settings(6, bound=3.0, confidence=2.5, stability=0)
+    ids, mask = (t.cuda() for t in prompts([5, 40, 17]))
+    runs = [model.generate_multi_block(ids, BlockDiffusionConfig(max_new_tokens=4 * CANVAS, **fields, **extra),
+                                       attention_mask=mask, generator=torch.Generator("cuda").manual_seed(1))
+            for extra in (dict(attention_backend="sdpa", cuda_graphs=False, compile=False),
+                          dict(attention_backend="triton", cuda_graphs=True, compile=True))]
+    assert torch.equal(runs[0], runs[1])
+    assert engines[0].graph is None and engines[1].graph is not None
+
+
+@pytest.mark.gpu
+def test_torch_order_noise_matches_transformers_gpu():
+    """On CUDA (fp32, sdpa): the compatibility noise still reproduces transformers' generate."""
+    from diffusion_gemma_models import ours, reference
+
+    model = tiny_diffusion_gemma("mixed_moe").cuda()
+    theirs, fields = settings(6, bound=3.0, confidence=2.5, stability=0)
+    ids, mask = (t.cuda() for t in prompts([5, 17, 9]))
+    expected = reference(model, ids, mask, 3 * CANVAS, theirs, seed=7)
+    out = ours(model, ids, mask, 3 * CANVAS, fields, seed=7, noise="torch", attention_backend="sdpa")
+    assert torch.equal(out.sequences, expected.sequences)
