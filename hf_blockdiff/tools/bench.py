@@ -272,16 +272,31 @@ def run_bench(args) -> None:
         print_report(report)
 
 
-def add_parser(commands) -> None:
-    parser = commands.add_parser("bench", help="hf_blockdiff vs the plain-HF reference loop (tok/s, NFE, memory)")
+def _add_model_flags(parser) -> None:
+    """What is decoded: the shape or checkpoint, its size, weights and placement."""
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="architecture sizes with random "
                         f"weights: {', '.join(sorted(SHAPES))} (default: %(default)s)")
     parser.add_argument("--model", help="a checkpoint directory instead of a random-weight shape (default: --shape)")
-    parser.add_argument("--batch-size", type=int, default=1, help="prompts (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=None, help="diffusion-gemma-26b-a4b: keep this many layers "
                         "(a time budget; default: all)")
     parser.add_argument("--denoising-steps", type=int, default=48, help="diffusion-gemma-26b-a4b: steps per "
                         "canvas on both sides (default: %(default)s, transformers' default)")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "fp8", "nf4"],
+                        help="weight-only quantization: torchao int8 or fp8, bitsandbytes nf4 (with --model) "
+                        "(default: %(default)s)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="default: cuda if there is a GPU, else cpu (here: %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="dtype of the weights: bfloat16, float16, float32 (default: %(default)s)")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="shard the model with transformers' tp_plan='auto' over the processes of a torchrun "
+                        "launch, each on its own GPU; the first process reports (default: off)")
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("bench", help="hf_blockdiff vs the plain-HF reference loop (tok/s, NFE, memory)")
+    _add_model_flags(parser)
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per prompt (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=None,
@@ -308,9 +323,6 @@ def add_parser(commands) -> None:
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens every prompt starts with (a system prompt), read from the prefix store after "
                         "the first call; with --num-return-sequences (default: %(default)s)")
-    parser.add_argument("--quantization", default="none", choices=["none", "int8", "fp8", "nf4"],
-                        help="weight-only quantization: torchao int8 or fp8, bitsandbytes nf4 (with --model) "
-                        "(default: %(default)s)")
     parser.add_argument("--editing-threshold", type=float, default=None,
                         help="LLaDA2 only: decode with the llada2_1 preset (editing) at this threshold, and diffusers "
                         "with the same (default: editing off, the llada2 preset)")
@@ -319,13 +331,6 @@ def add_parser(commands) -> None:
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                         help="torch.compile the decoder layers: auto, on, off (default: %(default)s, on with CUDA "
                         "graphs)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="default: cuda if there is a GPU, else cpu (here: %(default)s)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                        help="dtype of the weights: bfloat16, float16, float32 (default: %(default)s)")
-    parser.add_argument("--tensor-parallel", action="store_true",
-                        help="shard the model with transformers' tp_plan='auto' over the processes of a torchrun "
-                        "launch, each on its own GPU; the first process reports (default: off)")
     parser.add_argument("--skip-reference", action="store_true", help="time hf_blockdiff only (default: off)")
     parser.add_argument("--kernels", action="store_true",
                         help="run the kernel microbenchmarks instead (default: off)")
