@@ -32,6 +32,20 @@ from .rollout_bench import kv_peak, rollout_runs, with_shared_prefix
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile -> BlockDiffusionConfig.compile
 
 
+def make_report(args, device_name: str, first: "Measurement", results: list["Measurement"]) -> dict:
+    """The report of ours (`results[0]`, after the process's `first` call) against the reference (`results[1]`)."""
+    report = {
+        "settings": {key: value for key, value in vars(args).items() if key not in ("run", "json")},
+        "device": device_name,
+        "first_call": first.row(),  # the process's first call: compile and graph capture included
+        "first_call_overhead_s": round(first.seconds - results[0].seconds, 3),
+        "results": [m.row() for m in results],
+    }
+    if len(results) == 2:
+        report["speedup"] = round(results[0].tok_s / results[1].tok_s, 2)
+    return report
+
+
 @dataclass
 class Measurement:
     name: str
@@ -201,15 +215,7 @@ def bench(args) -> dict:
     if not args.skip_reference:
         results.append(_measure(f"reference ({reference.__name__})", lambda: reference(model, prompts, cfg), device,
                                 tokens, args.batch_size))
-    report = {
-        "settings": {key: value for key, value in vars(args).items() if key not in ("run", "json")},
-        "device": _device_name(args),
-        "first_call": first.row(),  # the process's first call: compile and graph capture included
-        "first_call_overhead_s": round(first.seconds - results[0].seconds, 3),
-        "results": [m.row() for m in results],
-    }
-    if len(results) == 2:
-        report["speedup"] = round(results[0].tok_s / results[1].tok_s, 2)
+    report = make_report(args, _device_name(args), first, results)
     if model.config.model_type == LLADA2 and device.startswith("cuda") and not args.tensor_parallel:
         from .moe_timing import moe_against_dense
 

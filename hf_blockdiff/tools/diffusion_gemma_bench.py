@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .bench import _measure
+from .bench import _measure, make_report
 
 # DiffusionGemma 26B-A4B's text sizes as assumed here (no checkpoint is read: check them against the released
 # config.json before quoting a number); 5:1 sliding/full layers come from the config's default pattern
@@ -65,9 +65,4 @@ def bench(args) -> dict:
     free_cache(model)
     if not args.skip_reference:
         results.append(_measure("transformers generate", reference, device, tokens, args.batch_size))
-    report = {"settings": {k: v for k, v in vars(args).items() if k not in ("run", "json")},
-              "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-              "first_call_overhead_s": round(first.seconds - results[0].seconds, 3), "results": [m.row() for m in results]}
-    if len(results) == 2:
-        report["speedup"] = round(results[0].tok_s / results[1].tok_s, 2)
-    return report
+    return make_report(args, torch.cuda.get_device_name() if device.startswith("cuda") else "cpu", first, results)
