@@ -96,6 +96,22 @@ def test_bench_reports_both_loops(capsys):
     assert report["first_call_overhead_s"] == round(first["seconds"] - ours["seconds"], 3)
 
 
+def test_bench_diffusion_gemma_against_transformers_generate(capsys):
+    """The DiffusionGemma bench (tiny shape): both sides take every denoising step of both canvases, and the table
+    prints the first call beside the warm one."""
+    pytest.importorskip("transformers", minversion="5.12")
+    args = ["bench", "--shape", "diffusion-gemma-tiny", "--prompt-len", "5", "--new-tokens", "16",
+            "--denoising-steps", "3", "--device", "cpu", "--dtype", "float32"]
+    assert main(args + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ours, reference = report["results"]
+    assert [ours["name"], reference["name"]] == ["hf_blockdiff", "transformers generate"]
+    assert ours["forwards"] == reference["forwards"] == 2 * 3 and report["first_call"]["forwards"] == 6
+    assert main(args + ["--batch-size", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "hf_blockdiff (first call)" in table and "transformers generate" in table
+
+
 @pytest.mark.parametrize("editing", [[], ["--editing-threshold", "0.5"]])
 def test_bench_llada2_against_diffusers(capsys, editing):
     """LLaDA2 shapes run the llada2 (llada2_1 with --editing-threshold) preset against diffusers' LLaDA2Pipeline:

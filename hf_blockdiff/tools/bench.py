@@ -189,7 +189,7 @@ def _settings(args, model, mask_id: int):
 
 
 def bench(args) -> dict:
-    if args.shape == "diffusion-gemma-26b-a4b":
+    if SHAPES[args.shape]["model_type"] == "diffusion_gemma":
         from .diffusion_gemma_bench import bench as diffusion_gemma_bench
 
         return diffusion_gemma_bench(args)

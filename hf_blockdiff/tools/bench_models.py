@@ -21,7 +21,8 @@ SHAPES = {  # architecture sizes of released checkpoints (random weights; nothin
     "llada-8b": dict(model_type="llada", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
                      vocab_size=126464, embedding_size=126464, rope_theta=500000.0, max_sequence_length=8192),
     "llada2-mini": dict(model_type="llada2_moe"),  # the config's defaults are LLaDA2.0-mini's (16B-A1B)
-    "diffusion-gemma-26b-a4b": dict(model_type="diffusion_gemma"),  # tools/diffusion_gemma_bench.py
+    "diffusion-gemma-26b-a4b": dict(model_type="diffusion_gemma"),  # sizes in tools/diffusion_gemma_bench.py
+    "diffusion-gemma-tiny": dict(model_type="diffusion_gemma"),
     "llada2-tiny": dict(model_type="llada2_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, n_group=4,
                         topk_group=2, num_experts_per_tok=2, moe_intermediate_size=32),

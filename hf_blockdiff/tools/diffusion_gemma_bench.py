@@ -19,18 +19,25 @@ SIZES_26B_A4B = dict(vocab_size=262_144, hidden_size=2816, intermediate_size=211
                      num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
                      num_global_key_value_heads=2, sliding_window=1024, num_experts=128, top_k_experts=8,
                      moe_intermediate_size=704, max_position_embeddings=262_144)
+# a CPU-sized model of the same layout for tests: (text sizes, canvas length)
+SHAPES = {"diffusion-gemma-26b-a4b": (SIZES_26B_A4B, 256),
+          "diffusion-gemma-tiny": (dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+                                        num_global_key_value_heads=1, sliding_window=6, num_experts=4, top_k_experts=2,
+                                        moe_intermediate_size=16, max_position_embeddings=256), 8)}
 NEVER_CONFIDENT = 1e-30  # adaptive stopping on both sides, never firing: every canvas takes every step
 
 
-def build(layers: int | None, device: str, dtype: torch.dtype):
+def build(shape: str, layers: int | None, device: str, dtype: torch.dtype):
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
-    sizes = dict(SIZES_26B_A4B)
+    sizes, canvas = dict(SHAPES[shape][0]), SHAPES[shape][1]
     if layers is not None:
         sizes["num_hidden_layers"] = layers
         sizes["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention"
                                 for i in range(layers)]
-    config = DiffusionGemmaConfig(text_config=sizes, vision_config={"model_type": "gemma4_vision"})
+    config = DiffusionGemmaConfig(text_config=sizes, vision_config={"model_type": "gemma4_vision"},
+                                  canvas_length=canvas)
     with torch.device(device):
         model = DiffusionGemmaForBlockDiffusion(config).to(dtype)
     return model.eval()
@@ -40,7 +47,7 @@ def bench(args) -> dict:
     from ..config import BlockDiffusionConfig
 
     device, dtype = args.device, getattr(torch, args.dtype)
-    model = build(args.layers, device, dtype)
+    model = build(args.shape, args.layers, device, dtype)
     steps, new = args.denoising_steps, args.new_tokens
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
