@@ -132,7 +132,12 @@ def test_cuda_graph_step_matches_eager_sdpa_gpu(name, monkeypatch):
     from hf_blockdiff.generation import canvas
 
     engines, init = [], canvas.CanvasEngine.__init__
-    monkeypatch.setattr(canvas.CanvasEngine, "__init__", lambda self, *a: (engines.append(self), init(self, *a)))
+
+    def recording_init(self, *args):
+        engines.append(self)
+        init(self, *args)
+
+    monkeypatch.setattr(canvas.CanvasEngine, "__init__", recording_init)
     model = tiny_diffusion_gemma(name).cuda()
     _, fields = settings(6, bound=3.0, confidence=2.5, stability=0)
     ids, mask = (t.cuda() for t in prompts([5, 40, 17]))
