@@ -15,8 +15,6 @@ transformers' tp_plan="auto" over the launch's processes (tools/bench_models.py)
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import asdict, dataclass
 
 import torch
 
@@ -26,59 +24,11 @@ from ..patching import free_cache
 from ..profiles import model_profile
 from ..strategies import strategy_names
 from .bench_models import LLADA2, SHAPES, build_model
+from .measure import make_report, measure
 from .diffusers_reference import llada2_pipeline
 from .rollout_bench import kv_peak, rollout_runs, with_shared_prefix
 
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile -> BlockDiffusionConfig.compile
-
-
-def make_report(args, device_name: str, first: "Measurement", results: list["Measurement"]) -> dict:
-    """The report of ours (`results[0]`, after the process's `first` call) against the reference (`results[1]`)."""
-    report = {
-        "settings": {key: value for key, value in vars(args).items() if key not in ("run", "json")},
-        "device": device_name,
-        "first_call": first.row(),  # the process's first call: compile and graph capture included
-        "first_call_overhead_s": round(first.seconds - results[0].seconds, 3),
-        "results": [m.row() for m in results],
-    }
-    if len(results) == 2:
-        report["speedup"] = round(results[0].tok_s / results[1].tok_s, 2)
-    return report
-
-
-@dataclass
-class Measurement:
-    name: str
-    seconds: float
-    forwards: int
-    tokens: int
-    rows: int
-    peak_gib: float
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.seconds
-
-    def row(self) -> dict:
-        return {**asdict(self), "tok_s": round(self.tok_s, 1), "ms_per_forward": round(1e3 * self.seconds / self.forwards, 2),
-                "tokens_per_forward": round(self.tokens / self.forwards / self.rows, 3)}
-
-
-def _synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _measure(name: str, run, device: str, tokens: int, rows: int) -> Measurement:
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    _synchronize(device)
-    start = time.perf_counter()
-    forwards = run()
-    _synchronize(device)
-    seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else 0.0
-    return Measurement(name, seconds, forwards, tokens, rows, round(peak, 2))
 
 
 def _commit_top(x, logits, masked, count, mask_id):
@@ -209,11 +159,11 @@ def bench(args) -> dict:
     def ours():
         return model.generate_multi_block(prompts, cfg, return_dict=True).num_forwards
 
-    first = _measure("hf_blockdiff (first call)", ours, device, tokens, args.batch_size)
-    results.append(_measure("hf_blockdiff", ours, device, tokens, args.batch_size))
+    first = measure("hf_blockdiff (first call)", ours, device, tokens, args.batch_size)
+    results.append(measure("hf_blockdiff", ours, device, tokens, args.batch_size))
     free_cache(model)  # the reference gets the memory of our KV cache and graphs
     if not args.skip_reference:
-        results.append(_measure(f"reference ({reference.__name__})", lambda: reference(model, prompts, cfg), device,
+        results.append(measure(f"reference ({reference.__name__})", lambda: reference(model, prompts, cfg), device,
                                 tokens, args.batch_size))
     report = make_report(args, _device_name(args), first, results)
     if model.config.model_type == LLADA2 and device.startswith("cuda") and not args.tensor_parallel:
@@ -237,8 +187,8 @@ def _rollout_report(args, model, cfg: BlockDiffusionConfig, prompts: torch.Tenso
     results, memory, first_calls = [], [], []
     for name, run in rollout_runs(args, model, cfg, prompts):
         # the first call fills the prefix store, compiles and captures graphs
-        first_calls.append(_measure(f"{name} (first call)", run, args.device, rows * args.new_tokens, rows))
-        results.append(_measure(name, run, args.device, rows * args.new_tokens, rows))
+        first_calls.append(measure(f"{name} (first call)", run, args.device, rows * args.new_tokens, rows))
+        results.append(measure(name, run, args.device, rows * args.new_tokens, rows))
         memory.append(kv_peak(model))
         free_cache(model)
     return {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .bench import _measure, make_report
+from .measure import make_report, measure
 
 # DiffusionGemma 26B-A4B's text sizes as assumed here (no checkpoint is read: check them against the released
 # config.json before quoting a number); 5:1 sliding/full layers come from the config's default pattern
@@ -65,11 +65,11 @@ def bench(args) -> dict:
         return int(round(float((new / out.tokens_per_forward).max())))
 
     tokens = args.batch_size * new
-    first = _measure("hf_blockdiff (first call)", ours, device, tokens, args.batch_size)  # compiles, captures
-    results = [_measure("hf_blockdiff", ours, device, tokens, args.batch_size)]
+    first = measure("hf_blockdiff (first call)", ours, device, tokens, args.batch_size)  # compiles, captures
+    results = [measure("hf_blockdiff", ours, device, tokens, args.batch_size)]
     from ..patching import free_cache
 
     free_cache(model)
     if not args.skip_reference:
-        results.append(_measure("transformers generate", reference, device, tokens, args.batch_size))
+        results.append(measure("transformers generate", reference, device, tokens, args.batch_size))
     return make_report(args, torch.cuda.get_device_name() if device.startswith("cuda") else "cpu", first, results)

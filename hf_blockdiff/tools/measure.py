@@ -1,0 +1,58 @@
+"""Timing one decoder call the way `hf-blockdiff bench` reports it (tok/s, ms per forward, tokens per forward, peak
+memory), shared by the block-decoding and the DiffusionGemma benches."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class Measurement:
+    name: str
+    seconds: float
+    forwards: int
+    tokens: int
+    rows: int
+    peak_gib: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def row(self) -> dict:
+        return {**asdict(self), "tok_s": round(self.tok_s, 1), "ms_per_forward": round(1e3 * self.seconds / self.forwards, 2),
+                "tokens_per_forward": round(self.tokens / self.forwards / self.rows, 3)}
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure(name: str, run, device: str, tokens: int, rows: int) -> Measurement:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    _synchronize(device)
+    start = time.perf_counter()
+    forwards = run()
+    _synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else 0.0
+    return Measurement(name, seconds, forwards, tokens, rows, round(peak, 2))
+
+
+def make_report(args, device_name: str, first: Measurement, results: list[Measurement]) -> dict:
+    """The report of ours (`results[0]`, after the process's `first` call) against the reference (`results[1]`)."""
+    report = {
+        "settings": {key: value for key, value in vars(args).items() if key not in ("run", "json")},
+        "device": device_name,
+        "first_call": first.row(),  # the process's first call: compile and graph capture included
+        "first_call_overhead_s": round(first.seconds - results[0].seconds, 3),
+        "results": [m.row() for m in results],
+    }
+    if len(results) == 2:
+        report["speedup"] = round(results[0].tok_s / results[1].tok_s, 2)
+    return report
