@@ -58,6 +58,13 @@ def forward_mask(pattern, config, inputs_embeds, attention_mask, past_key_values
     return pattern(config, inputs_embeds, attention_mask, past_key_values, position_ids)
 
 
+def kv_cache_argument(past_key_values, kwargs: dict):
+    """The KV cache a forward was given: transformers ≥ 5.24 passes it as `cache` (it renamed `past_key_values`),
+    earlier versions and the released scripts as `past_key_values`; `cache` is taken out of `kwargs`."""
+    cache = kwargs.pop("cache", None)
+    return past_key_values if past_key_values is not None else cache
+
+
 class _PatternedDecoder:
     """Mixin for a stock decoder base model (put it first in the bases): its forward applies `_mask` instead of the
     causal mask, and `_released_call` reads the family's released cache keywords. It changes no parameter, so weights
@@ -68,6 +75,7 @@ class _PatternedDecoder:
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, **kwargs):
+        past_key_values = kv_cache_argument(past_key_values, kwargs)
         if inputs_embeds is None:  # the mask needs the embeddings (shape, dtype, device): embed once, here
             inputs_embeds, input_ids = self.get_input_embeddings()(input_ids), None
         query_length = inputs_embeds.shape[1]

@@ -26,7 +26,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from .attention import attend, bidirectional_mask, forward_mask
+from .attention import attend, bidirectional_mask, forward_mask, kv_cache_argument
 from ..profiles import ModelProfile
 from .released import CompleteCheckpoint, ReleasedConfig
 from .released_calls import dual_cache_call
@@ -162,6 +162,7 @@ class LLaDABlock(GradientCheckpointingLayer):
         self.ff_out = nn.Linear(hidden, width, bias=config.include_bias)  # down
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        past_key_values = kv_cache_argument(past_key_values, kwargs)
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         normed = self.attn_norm(hidden_states)
         cos, sin = position_embeddings
@@ -209,6 +210,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
+        past_key_values = kv_cache_argument(past_key_values, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         if inputs_embeds is None:
@@ -253,6 +255,7 @@ class LLaDAModelLM(LLaDAPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs) -> CausalLMOutputWithPast:
+        past_key_values = kv_cache_argument(past_key_values, kwargs)
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,

@@ -28,7 +28,7 @@ from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeForCausalLM, 
                                                             Glm4MoePreTrainedModel, Glm4MoeRMSNorm,
                                                             apply_rotary_pos_emb)
 
-from .attention import attend, block_causal_mask
+from .attention import attend, block_causal_mask, kv_cache_argument
 from .experts import ReleasedExperts
 from .llada import rope_angles
 from ..profiles import ModelProfile
@@ -130,6 +130,7 @@ class LLaDA2MoeAttention(nn.Module):
         self.dense = nn.Linear(self.widths[0], config.hidden_size, bias=False)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        past_key_values = kv_cache_argument(past_key_values, kwargs)
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query, key, value = (part.view(shape).transpose(1, 2)
                              for part in self.query_key_value(hidden_states).split(self.widths, dim=-1))
@@ -179,6 +180,7 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, **kwargs) -> MoeModelOutputWithPast:
+        past_key_values = kv_cache_argument(past_key_values, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         if inputs_embeds is None:
