@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind the README tables, in one go:
-# `benchmarks/gpu_run.sh [tests|kernels|main|quick|extra|flash|llada2|rollouts|quantized|nf4]` (llada2 needs diffusers,
+# `benchmarks/gpu_run.sh [tests|kernels|main|quick|extra|flash|llada2|rollouts|quantized|nf4|dgemma]` (llada2 needs diffusers,
 # quantized torchao, nf4 bitsandbytes installed).
 # Runs from the repository root on a CUDA machine with torch, transformers, triton installed; writes logs to $OUT.
 set -uo pipefail
@@ -54,5 +54,13 @@ build_model('sdar-4b', None, 'cuda', torch.bfloat16).save_pretrained('/tmp/sdar-
         # shellcheck disable=SC2086
         python3 -m hf_blockdiff.cli bench --shape llada2-mini --prompt-len 256 --new-tokens 256 --batch-size "$b" \
           $editing --json | tail -1 | tee -a "$OUT/bench.jsonl"; done; done ;;
+    dgemma)  # DiffusionGemma 26B-A4B shapes (random weights) against transformers' generate: its GPU tests, 4 layers at
+      # batch 1 and 16, all 30 layers at batch 1
+      python3 -m pytest -q tests/kernels/test_canvas_scoring.py tests/models/test_diffusion_gemma_inputs.py \
+        tests/models/test_diffusion_gemma.py -rA 2>&1 | tee "$OUT/dgemma_tests.log" | tail -6
+      for args in "--layers 4 --batch-size 1" "--layers 4 --batch-size 16" "--batch-size 1"; do
+        # shellcheck disable=SC2086
+        python3 -m hf_blockdiff.cli bench --shape diffusion-gemma-26b-a4b --prompt-len 1024 --new-tokens 1024 $args \
+          --json | tail -1 | tee -a "$OUT/bench.jsonl"; done ;;
   esac
 done

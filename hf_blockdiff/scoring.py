@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import TRITON_AVAILABLE
+from .kernels.canvas_scoring import canvas_score_reference, canvas_score_triton
 from .kernels.scoring import (distribution_scores, gumbel_argmax, inverse_temperature, score_reference, score_triton,
                               top_k_filter)
 
@@ -97,10 +98,10 @@ def score_logits(
     return scores
 
 
-def categorical_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) per row, computed as `torch.distributions.Categorical(logits=...).entropy()` does
-    (normalized logits clamped at the dtype's minimum, times the probabilities), so DiffusionGemma's acceptance and
-    stopping see transformers' own values (docs/design.md, "DiffusionGemma")."""
-    normalized = logits - logits.logsumexp(-1, keepdim=True)
-    probs = torch.softmax(normalized, -1)
-    return -(normalized.clamp(min=torch.finfo(logits.dtype).min) * probs).sum(-1)
+def score_canvas(logits: torch.Tensor, softcap: float | None, temperature: torch.Tensor, seed: torch.Tensor,
+                 counter: torch.Tensor, probs_dtype: torch.dtype):
+    """A DiffusionGemma step's (sample, argmax, entropy, logprob, probs) from raw LM-head logits [n, V]: the fused
+    kernel on CUDA, its torch reference elsewhere (`kernels.canvas_scoring`)."""
+    fused = logits.is_cuda and TRITON_AVAILABLE and probs_dtype in (torch.float32, torch.bfloat16)
+    score = canvas_score_triton if fused else canvas_score_reference
+    return score(logits, softcap, temperature, seed, counter, probs_dtype)

@@ -19,7 +19,6 @@ import torch
 from ..attention import AttentionBackend
 from ..cache import PagedBlockCache
 from ..scheduler.canvas import CanvasRules, CanvasState, CounterNoise, TorchOrderNoise
-from ..scoring import categorical_entropy
 from .engine import Results
 
 
@@ -35,9 +34,11 @@ class CanvasModel(Protocol):
     def denoise(self, tokens: torch.Tensor, positions: torch.Tensor, conditioning: torch.Tensor,
                 **attention) -> torch.Tensor: ...
 
+    softcap: float | None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
-    def conditioning(self, processed: torch.Tensor) -> torch.Tensor: ...
+    def conditioning(self, probs: torch.Tensor) -> torch.Tensor: ...
 
     def decoding(self, fusion: str): ...
 
@@ -108,18 +109,16 @@ class CanvasEngine:
                          (base + length).expand_as(positions), first.expand_as(positions))
         hidden = runner.denoise(state.canvas, positions, self.conditioning, blockdiff_cache=self.cache,
                                 blockdiff_plan=plan)
-        processed = runner.logits(hidden.reshape(slots * length, -1)) / state.temperature()
         step = state.step + 1
-        sampled = self.noise.sample(processed, self.canvas_index, step).view(slots, length)
-        argmax = processed.argmax(-1)
-        entropy = categorical_entropy(processed)
-        logprob = processed.max(-1).values - processed.logsumexp(-1)
-        live = state.update(sampled, argmax.view(slots, length), entropy.view(slots, length),
+        sampled, argmax, entropy, logprob, probs = self.noise.score(
+            runner.logits(hidden.reshape(slots * length, -1)), runner.softcap, state.temperature(), runner.dtype,
+            self.canvas_index, step)
+        live = state.update(sampled.view(slots, length), argmax.view(slots, length), entropy.view(slots, length),
                             self.noise.tokens(self.canvas_index, step))
         keep = live[:, None]
         self.entropy.copy_(torch.where(keep, entropy.view(slots, length), self.entropy))
         self.logprob.copy_(torch.where(keep, logprob.view(slots, length), self.logprob))
-        conditioning = runner.conditioning(processed).view(self.conditioning.shape)
+        conditioning = runner.conditioning(probs).view(self.conditioning.shape)
         self.conditioning.copy_(torch.where(keep[..., None], conditioning, self.conditioning))
 
     def step(self) -> None:

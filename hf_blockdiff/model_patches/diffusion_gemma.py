@@ -40,6 +40,7 @@ class DiffusionGemmaRunner:
         self.sliding_window = text.sliding_window if "sliding_attention" in self.layer_types else None
         self.encoder, self.decoder = model.model.encoder.language_model, model.model.decoder
         self.dtype = self.decoder.embed_tokens.weight.dtype
+        self.softcap = model.final_logit_softcapping
 
     def _layers(self, stack, hidden: torch.Tensor, positions: torch.Tensor, attention: dict) -> torch.Tensor:
         embeddings = {kind: stack.rotary_emb(hidden, positions, kind) for kind in set(self.layer_types)}
@@ -57,16 +58,14 @@ class DiffusionGemmaRunner:
         return self.decoder.norm(self._layers(self.decoder, hidden, positions, attention))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits with the final soft cap, as the model's forward computes them."""
-        logits = self.model.lm_head(hidden).float()
-        cap = self.model.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        """The LM head's logits, before the final soft cap (`softcap`), which the step's scoring applies in float32
+        as the model's forward does."""
+        return self.model.lm_head(hidden)
 
-    def conditioning(self, processed: torch.Tensor) -> torch.Tensor:
-        """The next step's self-conditioning input: softmax of the step's logits (cast to the embedding dtype
-        first, as transformers keeps them) times the scaled embedding matrix."""
+    def conditioning(self, probs: torch.Tensor) -> torch.Tensor:
+        """The next step's self-conditioning input: the step's softmax (in the embedding dtype) times the scaled
+        embedding matrix."""
         embed = self.decoder.embed_tokens
-        probs = processed.to(self.dtype).softmax(-1, dtype=torch.float32).to(self.dtype)
         return (probs @ embed.weight) * embed.embed_scale.to(self.dtype)
 
     def decoding(self, fusion: str):

@@ -14,12 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.canvas_scoring import canvas_statistics, gumbel_rows_argmax, processed_logits
 from ..kernels.rng import uniform_tokens
-from ..kernels.scoring import gumbel_argmax
+from ..scoring import score_canvas
 from ..strategies import entropy_bound_accept
-
-
-NOISE_ELEMENTS = 1 << 24  # Gumbel noise values hashed at once
 
 
 @dataclass(frozen=True)
@@ -111,14 +109,19 @@ class CounterNoise:
         counters = self.counters(canvas, step)
         return uniform_tokens(self.seeds[:, None].expand_as(counters), counters, self.rules.vocab_size)
 
+    def rows(self, canvas: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The seed and counter [S·L] of every canvas position's sampling noise."""
+        return self.seeds.repeat_interleave(self.rules.length), self.counters(canvas, step).reshape(-1)
+
     def sample(self, processed: torch.Tensor, canvas: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """A token per row of `processed` [S·L, V] from softmax(processed): Gumbel-max with this step's noise, in
-        row chunks of at most NOISE_ELEMENTS noise values (the int64 hash of a full [S·L, V] would not fit)."""
-        counters = self.counters(canvas, step).reshape(-1)
-        seeds = self.seeds.repeat_interleave(self.rules.length)
-        rows = max(1, NOISE_ELEMENTS // processed.shape[1])
-        return torch.cat([gumbel_argmax(processed[i : i + rows], seeds[i : i + rows], counters[i : i + rows])
-                          for i in range(0, processed.shape[0], rows)])
+        """A token per row of `processed` [S·L, V] from softmax(processed): Gumbel-max with this step's noise."""
+        return gumbel_rows_argmax(processed, *self.rows(canvas, step))
+
+    def score(self, logits: torch.Tensor, softcap: float | None, temperature: torch.Tensor, probs_dtype: torch.dtype,
+              canvas: torch.Tensor, step: torch.Tensor):
+        """(sample, argmax, entropy, logprob, probs) of the step's raw logits [S·L, V] (`scoring.score_canvas`:
+        fused on CUDA)."""
+        return score_canvas(logits, softcap, temperature, *self.rows(canvas, step), probs_dtype)
 
 
 class TorchOrderNoise:
@@ -136,3 +139,9 @@ class TorchOrderNoise:
     def sample(self, processed: torch.Tensor, canvas: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
         return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(-1)
+
+    def score(self, logits: torch.Tensor, softcap: float | None, temperature: torch.Tensor, probs_dtype: torch.dtype,
+              canvas: torch.Tensor, step: torch.Tensor):
+        """CounterNoise.score's values in transformers' torch operations and draw order."""
+        processed = processed_logits(logits, softcap, temperature)
+        return self.sample(processed, canvas, step), *canvas_statistics(processed, probs_dtype)

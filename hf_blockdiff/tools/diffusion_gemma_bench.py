@@ -38,8 +38,8 @@ def build(shape: str, layers: int | None, device: str, dtype: torch.dtype):
                                 for i in range(layers)]
     config = DiffusionGemmaConfig(text_config=sizes, vision_config={"model_type": "gemma4_vision"},
                                   canvas_length=canvas)
-    with torch.device(device):
-        model = DiffusionGemmaForBlockDiffusion(config).to(dtype)
+    with torch.device(device):  # built in `dtype`: the 30 layers in float32 would not fit one 80 GB GPU
+        model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype)
     return model.eval()
 
 

@@ -1,0 +1,55 @@
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hf_blockdiff.kernels.canvas_scoring import canvas_score_reference, canvas_score_triton  # noqa: E402
+
+
+def step_inputs(N, V, dtype, device, seed):
+    """Raw logits with a clear argmax per row and the row seeds/counters of a step."""
+    gen = torch.Generator(device).manual_seed(seed)
+    logits = torch.randn(N, V, generator=gen, device=device) * 2
+    winners = torch.randint(0, V, (N,), generator=gen, device=device)
+    logits[torch.arange(N, device=device), winners] = logits.amax(dim=1) + 0.5
+    seeds = torch.randint(-(2**62), 2**62, (N,), generator=gen, device=device)
+    counters = torch.randint(0, 2**32, (N,), generator=gen, device=device)
+    return logits.to(dtype), seeds, counters
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("V", [1003, 2048])
+def test_fused_canvas_scores_match_the_reference(dtype, softcap, V, device, assert_close, poisoned):
+    logits, seeds, counters = step_inputs(6, V, dtype, device, seed=V)
+    temperature = torch.tensor(0.7, device=device)
+    out = canvas_score_triton(logits, softcap, temperature, seeds, counters, dtype, block_v=256)
+    same = canvas_score_reference(logits, softcap, temperature, seeds, counters, dtype)
+    exact = canvas_score_reference(logits.double(), softcap, temperature.double(), seeds, counters, torch.float64)
+    assert torch.equal(out[0], same[0]) and torch.equal(out[1], same[1])  # sample, argmax
+    assert not torch.equal(out[0], out[1])  # the noise moves samples off the argmax
+    for got, ref in zip(out[2:4], exact[2:4]):  # entropy, logprob
+        assert_close(got, ref, torch.float32)
+    assert out[4].dtype == dtype
+    # softmax of the logits rounded to the model dtype, as transformers' (the kernel's exp apart: bfloat16 values
+    # equal but for a rare 1-ulp rounding difference; float32 within 128 ulps, the kernel's tanh being
+    # 1 − 2 / (e^(2y) + 1))
+    ulps = (out[4] - same[4]).abs() / (same[4].abs() * torch.finfo(dtype).eps)
+    assert ulps.max() <= (1 if dtype == torch.bfloat16 else 128)
+    assert dtype == torch.float32 or (ulps > 0).float().mean() < 0.01
+
+
+def test_fused_canvas_scores_follow_the_temperature(device):
+    """Colder logits sharpen the distribution: lower entropy, the same argmax."""
+    logits, seeds, counters = step_inputs(4, 777, torch.float32, device, seed=1)
+    warm = canvas_score_triton(logits, 30.0, torch.tensor(0.8, device=device), seeds, counters, torch.float32,
+                               block_v=256)
+    cold = canvas_score_triton(logits, 30.0, torch.tensor(0.4, device=device), seeds, counters, torch.float32,
+                               block_v=256)
+    assert torch.equal(warm[1], cold[1]) and (cold[2] < warm[2]).all()
+
+
+def test_fused_canvas_scores_refuse_other_dtypes(device):
+    logits, seeds, counters = step_inputs(2, 64, torch.float16, device, seed=2)
+    with pytest.raises(ValueError, match="probs_dtype"):
+        canvas_score_triton(logits, None, torch.tensor(1.0, device=device), seeds, counters, torch.float16)
