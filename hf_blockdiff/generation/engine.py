@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
+from transformers.utils import logging
 
 from ..attention import AttentionBackend
 from ..config import BlockDiffusionConfig
+from ..experts_capture import experts_capture_blocker
 from ..kernels.rng import fmix32
 from ..quantization import traceable
 from ..scheduler import Scheduler, geometry, window_policy
@@ -25,6 +27,8 @@ from .graphs import StepGraphs
 from .pages import PageAssigner
 from .prefix_store import PrefixStore, weights_fingerprint
 from .step import DecodeStep
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -63,11 +67,18 @@ def kv_bytes_per_token(model) -> int:
 
 def use_graphs(cfg: BlockDiffusionConfig, backend: AttentionBackend, device: torch.device, model) -> bool:
     """Fixed-shape steps (CUDA graphs on CUDA): by default on CUDA with a backend whose plans need no host sync and
-    layers graphs can capture (not bitsandbytes'); never with a user's logits processor (arbitrary Python)."""
+    layers graphs can capture (not bitsandbytes', not experts that sync: `experts_capture`); never with a user's
+    logits processor (arbitrary Python). Forced on for experts that sync: `ValueError` before any forward."""
     if cfg.logits_processor is not None:
         return False
+    blocker = experts_capture_blocker(model) if device.type == "cuda" and cfg.cuda_graphs is not False else None
+    if cfg.cuda_graphs and blocker:
+        raise ValueError(f"BlockDiffusionConfig.cuda_graphs=True cannot capture this model: {blocker}; or pass "
+                         "cuda_graphs=None to decode without graphs.")
     if cfg.cuda_graphs is None:
-        return device.type == "cuda" and backend.graph_safe and traceable(model)
+        if blocker:
+            logger.warning_once(f"CUDA graphs are off for this model: {blocker}.")
+        return device.type == "cuda" and backend.graph_safe and traceable(model) and blocker is None
     return cfg.cuda_graphs
 
 

@@ -43,12 +43,14 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _auto_splits(programs, capacity, device):
+def _auto_splits(programs, rows, capacity, device):
     """Split the key range only when the grid cannot fill the GPU (small batch, long prefix).
 
     Aim at two programs per SM, at least 128 keys per split, at most 16 splits (the best on an H100 for
-    SDAR-4B decode shapes: batch 1 goes from 193 to 19 us at prefix 8192, batch >= 32 is left unsplit)."""
-    if device.type != "cuda":
+    SDAR-4B decode shapes: batch 1 goes from 193 to 19 us at prefix 8192, batch >= 32 is left unsplit). Tiles of
+    `rows` >= 256 (query, head) pairs are never split: their partial states cost more than the idle SMs (a
+    DiffusionGemma canvas of 256 queries at batch 1, H100: 148 us split, 69 us not)."""
+    if device.type != "cuda" or rows >= 256:
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= sms:
@@ -60,6 +62,25 @@ def _dot_precision(q):
     if q.dtype == torch.bfloat16 and q.device.type == "cpu":
         return "interpret"
     return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _block_m(rows, row_bytes):
+    """Query-tile rows: 128 for narrow heads, 64 up to head dim 256 (bf16), 32 beyond, where a [64, 512] float32
+    accumulator spills registers (DiffusionGemma's global layers, batch 16 on an H100: 4.0 ms at 64 rows, 1.2 ms
+    at 32)."""
+    if rows >= 128 and row_bytes <= 256:
+        return 128
+    return min(64 if row_bytes <= 512 else 32, max(16, triton.next_power_of_2(rows)))
+
+
+def _key_tiles(block_m, row_bytes, splits):
+    """(key-tile rows, warps, pipeline stages): K and V tiles of at most 16 KiB each three stages deep (128 KiB of
+    shared memory with the q tile), or for heads wider than 256 (bf16) of 32 KiB two stages deep."""
+    if block_m == 128 and row_bytes == 256 and splits == 1:
+        return 32, 4, 3  # measured on an H200: ~10 % faster for head dim 128 on a full grid
+    if row_bytes > 512:
+        return max(16, 32768 // row_bytes), 4, 2
+    return max(16, min(64, 16384 // row_bytes)), 8 if block_m == 128 else 4, 3
 
 
 def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=None, q_start=None):
@@ -82,18 +103,14 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
     if out.numel() == 0:
         return out
 
-    # K and V tiles of at most 16 KiB each, three stages deep: at most 128 KiB of shared memory with the q tile.
     block_d = max(16, triton.next_power_of_2(D))
     row_bytes = block_d * q.element_size()
     rows = group * W
-    block_m = 128 if rows >= 128 and row_bytes <= 256 else min(64, max(16, triton.next_power_of_2(rows)))
+    block_m = _block_m(rows, row_bytes)
     m_tiles = triton.cdiv(rows, block_m)
     capacity = page_table.shape[1] * page_size
-    splits = num_splits or _auto_splits(R * Hkv * m_tiles, capacity, q.device)
-    if block_m == 128 and row_bytes == 256 and splits == 1:
-        block_n, num_warps = 32, 4  # measured on an H200: ~10 % faster for head dim 128 on a full grid
-    else:
-        block_n, num_warps = max(16, min(64, 16384 // row_bytes)), 8 if block_m == 128 else 4
+    splits = num_splits or _auto_splits(R * Hkv * m_tiles, rows, capacity, q.device)
+    block_n, num_warps, num_stages = _key_tiles(block_m, row_bytes, splits)
     split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     if splits > 1:
         part_o = torch.empty(splits, R, W, Hq, D, device=q.device, dtype=torch.float32)
@@ -109,7 +126,7 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
         W, Hkv, split_len, scale * math.log2(math.e),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=splits > 1, DOT_PRECISION=_dot_precision(q), HAS_START=q_start is not None,
-        num_warps=num_warps, num_stages=3,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(R * W * Hq,)](

@@ -9,6 +9,7 @@ prompt (`forwards`), tokens per step (TPF, per prompt) and peak memory. `--layer
 
 from __future__ import annotations
 
+import accelerate
 import torch
 
 from .measure import make_report, measure
@@ -38,9 +39,29 @@ def build(shape: str, layers: int | None, device: str, dtype: torch.dtype):
                                 for i in range(layers)]
     config = DiffusionGemmaConfig(text_config=sizes, vision_config={"model_type": "gemma4_vision"},
                                   canvas_length=canvas)
-    with torch.device(device):  # built in `dtype`: the 30 layers in float32 would not fit one 80 GB GPU
+    # transformers builds the encoder's layers and the decoder's, then ties them: built on the GPU, the 30 layers
+    # would first take twice their memory (96 GB in bfloat16). The parameters are declared without memory instead,
+    # each tied group is allocated once (`materialize`); buffers are built as usual.
+    with accelerate.init_empty_weights(include_buffers=False):
         model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype)
-    return model.eval()
+    model.tie_weights()  # accelerate re-wraps each parameter set inside that context, undoing transformers' ties
+    materialize(model, device, config.initializer_range)
+    return model.to(device).eval()
+
+
+def materialize(model, device: str, std: float) -> None:
+    """Give every memoryless parameter of `model` random values on `device`, as transformers initializes this model:
+    ones for vectors (norms) and scales, N(0, std) for matrices; parameters tied together stay one tensor."""
+    made = {}  # id of a memoryless parameter -> (it, kept alive so its id stays unique; its replacement)
+    for module in model.modules():
+        for name, empty in list(module._parameters.items()):
+            if empty is None:
+                continue
+            if id(empty) not in made:
+                value = torch.empty(empty.shape, dtype=empty.dtype, device=device)
+                value.fill_(1) if empty.ndim == 1 or name.endswith("scale") else value.normal_(0, std)
+                made[id(empty)] = empty, torch.nn.Parameter(value, requires_grad=False)
+            module._parameters[name] = made[id(empty)][1]
 
 
 def bench(args) -> dict:

@@ -103,13 +103,24 @@ def test_sliding_window_starts(window, num_splits, device, assert_close, poisone
           starts=starts)
     q, k, v, pt, lim = make_inputs(limits, 2, 2, 64, 16, torch.float32, device, window)
     full = paged_attention_reference(q.double(), k.double(), v.double(), pt, lim, 0.125)
-    windowed = paged_attention_reference(q.double(), k.double(), v.double(), pt, lim, 0.125, q_start=starts.int())
+    windowed = paged_attention_reference(q.double(), k.double(), v.double(), pt, lim, 0.125,
+                                        q_start=starts.int().to(lim.device))
     assert not torch.allclose(full, windowed)
 
 
 @pytest.mark.parametrize("head_dim", [96, 256])
 def test_padded_and_large_head_dims(head_dim, device, assert_close, poisoned):
     check(window_limits([40, 3], 4, 2), 1, 2, head_dim, 16, torch.float32, device, assert_close, seed=head_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 20])
+def test_wide_heads_over_a_canvas(window, dtype, device, assert_close, poisoned):
+    """DiffusionGemma's global layers: head dim 512, 8 query heads per KV head, a bidirectional canvas after a cached
+    prefix (256 (query, head) rows per KV head: the 32-row tiles, never split); its sliding layers pass starts."""
+    limits = torch.tensor([[45] * 32, [70] * 32])
+    starts = None if window is None else (limits - window).clamp(min=0)
+    check(limits, 2, 8, 512, 16, dtype, device, assert_close, seed=5, starts=starts)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -129,11 +140,13 @@ def test_large_shapes_gpu(batch, page_size, block, assert_close):
         check(limits, 8, 4, 128, page_size, torch.bfloat16, "cuda", assert_close, seed=num_blocks)
 
 
-def test_microbench_smoke():
-    """`hf-blockdiff bench --kernels` on tiny shapes (interpreter): every row is timed, nothing absent is invented."""
+def test_microbench_smoke(device):
+    """`hf-blockdiff bench --kernels` on tiny shapes (the interpreter on CPU): every row is timed, nothing absent is
+    invented."""
     from hf_blockdiff.tools import microbench
 
-    rows = microbench.run(device="cpu", small=True)
+    rows = microbench.run(device=device, small=True)
     assert {row["kernel"] for row in rows} == {"paged_attention", "scoring T=0.0", "scoring T=1.0"}
     assert all(row["triton_us"] > 0 and row["torch_us"] > 0 for row in rows)
-    assert all(math.isnan(row["flex_us"]) and math.isnan(row["flash_us"]) for row in rows)  # CUDA-only columns
+    if device == "cpu":
+        assert all(math.isnan(row["flex_us"]) and math.isnan(row["flash_us"]) for row in rows)  # CUDA-only columns
