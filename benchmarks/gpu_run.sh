@@ -57,7 +57,8 @@ build_model('sdar-4b', None, 'cuda', torch.bfloat16).save_pretrained('/tmp/sdar-
     dgemma)  # DiffusionGemma 26B-A4B shapes (random weights) against transformers' generate: its GPU tests, 4 layers at
       # batch 1 and 16, all 30 layers at batch 1
       python3 -m pytest -q tests/kernels/test_canvas_scoring.py tests/models/test_diffusion_gemma_inputs.py \
-        tests/models/test_diffusion_gemma.py -rA 2>&1 | tee "$OUT/dgemma_tests.log" | tail -6
+        tests/models/test_diffusion_gemma.py tests/models/test_experts_capture.py tests/kernels/test_paged_attention.py -rA 2>&1 \
+        | tee "$OUT/dgemma_tests.log" | tail -6
       for args in "--layers 4 --batch-size 1" "--layers 4 --batch-size 16" "--batch-size 1"; do
         # shellcheck disable=SC2086
         python3 -m hf_blockdiff.cli bench --shape diffusion-gemma-26b-a4b --prompt-len 1024 --new-tokens 1024 $args \
