@@ -35,6 +35,7 @@ class CanvasModel(Protocol):
                 **attention) -> torch.Tensor: ...
 
     softcap: float | None
+    dtype: torch.dtype  # the model's: the self-conditioning probabilities are cast to it
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 

@@ -76,9 +76,10 @@ def use_graphs(cfg: BlockDiffusionConfig, backend: AttentionBackend, device: tor
         raise ValueError(f"BlockDiffusionConfig.cuda_graphs=True cannot capture this model: {blocker}; or pass "
                          "cuda_graphs=None to decode without graphs.")
     if cfg.cuda_graphs is None:
-        if blocker:
+        capturable = device.type == "cuda" and backend.graph_safe and traceable(model)
+        if capturable and blocker:
             logger.warning_once(f"CUDA graphs are off for this model: {blocker}.")
-        return device.type == "cuda" and backend.graph_safe and traceable(model) and blocker is None
+        return capturable and blocker is None
     return cfg.cuda_graphs
 
 

@@ -45,13 +45,21 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @functools.cache
-def compiled_forward(layer_type: type):
-    """One torch.compile'd forward per decoder-layer class, shared by every layer of every model of that class.
-    Shapes are automatic-dynamic: the first shape compiles static, the next one marks the dimensions that changed
-    (tokens, rows) dynamic, so windows of any size reuse that graph, and the model's widths stay static. Tracing
-    every dimension as a symbol (`dynamic=True`) made the first call of SDAR-4B on an H100 take 47 s instead of 27
-    (README, "cold start"). The layer index is not specialized on."""
-    return torch.compile(layer_type.forward, dynamic=None)
+def compiled_forward(layer_type: type, dynamic: bool | None):
+    """One torch.compile'd forward per decoder-layer class (and shape policy), shared by every layer of every model of
+    that class; the layer index is not specialized on (it turns dynamic at the first recompile)."""
+    return torch.compile(layer_type.forward, dynamic=dynamic)
+
+
+def shape_policy(model) -> bool | None:
+    """torch.compile's `dynamic` for the model's layers. One layer kind: None, automatic-dynamic shapes (the first shape
+    compiles static, the next marks the dimensions that changed, tokens and rows, dynamic, and the widths stay
+    constants; tracing every dimension as a symbol made SDAR-4B's first call on an H100 take 47 s instead of 27,
+    README "cold start"). Several kinds (Gemma-style sliding and full layers of one class, with different head
+    dims): True, every dimension dynamic, so the class compiles once instead of recompiling per kind and per width
+    (a tiny DiffusionGemma traced 35 frames automatic-dynamic, 17 all-dynamic)."""
+    kinds = set(getattr(model.config.get_text_config(), "layer_types", None) or ())
+    return None if len(kinds) <= 1 else True
 
 
 @contextmanager
@@ -63,8 +71,9 @@ def decoding_mode(model: torch.nn.Module, fusion: str = "none"):
     layers = decoder_layers(model) if fusion == "compile" else []
     for norm in norms:
         norm.forward = _fused_rms_norm_forward.__get__(norm)
+    dynamic = shape_policy(model)
     for layer in layers:
-        layer.forward = compiled_forward(type(layer)).__get__(layer)
+        layer.forward = compiled_forward(type(layer), dynamic).__get__(layer)
     try:
         with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
             yield

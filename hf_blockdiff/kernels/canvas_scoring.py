@@ -7,8 +7,8 @@ sample = argmax(processed + g) with the rows' counter-based Gumbel noise g (`rng
 entropy, log-probability of the argmax; probs = softmax(processed cast to the model dtype, in float32), cast to
 the model dtype — the input of the self-conditioning GEMM, as transformers' DiffusionGemma computes it.
 
-`canvas_score_triton` reads the logits twice (statistics, then the probabilities) and builds no float32 [N, V]
-tensor; `canvas_score_reference` is the plain torch version it is tested against (ulp differences apart: the
+`canvas_score_triton` reads the logits twice (statistics, then the probabilities) and builds no [N, V] tensor but
+its output probabilities; `canvas_score_reference` is the plain torch version it is tested against (ulp differences apart: the
 kernel's tanh, exp and log are not torch's).
 """
 
@@ -21,7 +21,8 @@ NOISE_ELEMENTS = 1 << 24  # Gumbel noise values hashed at once by the torch refe
 
 
 def processed_logits(logits: torch.Tensor, softcap: float | None, temperature: torch.Tensor) -> torch.Tensor:
-    x = logits.float()
+    """softcap(logits) / T in float32 (float64 logits stay float64: the tests' exact reference)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if softcap is not None:
         x = torch.tanh(x / softcap) * softcap
     return x / temperature

@@ -43,14 +43,15 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _auto_splits(programs, rows, capacity, device):
+def _auto_splits(programs, rows, block_d, capacity, device):
     """Split the key range only when the grid cannot fill the GPU (small batch, long prefix).
 
     Aim at two programs per SM, at least 128 keys per split, at most 16 splits (the best on an H100 for
-    SDAR-4B decode shapes: batch 1 goes from 193 to 19 us at prefix 8192, batch >= 32 is left unsplit). Tiles of
-    `rows` >= 256 (query, head) pairs are never split: their partial states cost more than the idle SMs (a
-    DiffusionGemma canvas of 256 queries at batch 1, H100: 148 us split, 69 us not)."""
-    if device.type != "cuda" or rows >= 256:
+    SDAR-4B decode shapes: batch 1 goes from 193 to 19 us at prefix 8192, batch >= 32 is left unsplit). Heads of
+    dim >= 256 with >= 256 (query, head) rows per KV head are never split: their partial states cost more than the
+    idle SMs (a DiffusionGemma canvas of 256 queries at batch 1, H100: 148 us split, 69 us not; narrower heads were
+    not measured and keep the rule above)."""
+    if device.type != "cuda" or (rows >= 256 and block_d >= 256):
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= sms:
@@ -109,7 +110,7 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
     block_m = _block_m(rows, row_bytes)
     m_tiles = triton.cdiv(rows, block_m)
     capacity = page_table.shape[1] * page_size
-    splits = num_splits or _auto_splits(R * Hkv * m_tiles, rows, capacity, q.device)
+    splits = num_splits or _auto_splits(R * Hkv * m_tiles, rows, block_d, capacity, q.device)
     block_n, num_warps, num_stages = _key_tiles(block_m, row_bytes, splits)
     split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     if splits > 1:

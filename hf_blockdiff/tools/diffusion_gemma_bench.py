@@ -55,11 +55,14 @@ def materialize(model, device: str, std: float) -> None:
     made = {}  # id of a memoryless parameter -> (it, kept alive so its id stays unique; its replacement)
     for module in model.modules():
         for name, empty in list(module._parameters.items()):
-            if empty is None:
+            if empty is None or not empty.is_meta:
                 continue
             if id(empty) not in made:
                 value = torch.empty(empty.shape, dtype=empty.dtype, device=device)
-                value.fill_(1) if empty.ndim == 1 or name.endswith("scale") else value.normal_(0, std)
+                if empty.ndim == 1 or name.endswith("scale"):
+                    value.fill_(1)
+                else:
+                    value.normal_(0, std)
                 made[id(empty)] = empty, torch.nn.Parameter(value, requires_grad=False)
             module._parameters[name] = made[id(empty)][1]
 

@@ -123,6 +123,21 @@ def test_wide_heads_over_a_canvas(window, dtype, device, assert_close, poisoned)
     check(limits, 2, 8, 512, 16, dtype, device, assert_close, seed=5, starts=starts)
 
 
+@pytest.mark.parametrize("rows,head_dim,programs,splits", [
+    (16, 128, 8, 16),  # SDAR decode at batch 1: split to fill the GPU
+    (512, 128, 32, 9),  # a prefill chunk of narrow heads: still split (not measured otherwise)
+    (512, 256, 64, 1),  # a DiffusionGemma canvas: never split
+    (2048, 512, 128, 1),
+    (16, 128, 264, 1),  # a full grid
+])
+def test_auto_splits(rows, head_dim, programs, splits, monkeypatch):
+    """The split choice on a 132-SM GPU (the choice reads shapes only, so it runs without one)."""
+    from hf_blockdiff.kernels import paged_attention as module
+
+    monkeypatch.setattr(module, "_sm_count", lambda index: 132)
+    assert module._auto_splits(programs, rows, head_dim, 8192, torch.device("cuda", 0)) == splits
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_single_query_decode(dtype, device, assert_close, poisoned):
     check(torch.tensor([[1], [77], [0], [16]]), 2, 4, 128, 16, dtype, device, assert_close, seed=1)

@@ -18,7 +18,7 @@ CUDA = torch.device("cuda")
 
 @pytest.mark.parametrize("name,dtype,implementation,reason", [
     ("mixed_moe", torch.float32, "grouped_mm", "torch.float32 weights"),
-    ("mixed_moe", torch.bfloat16, "eager", "'eager' experts"),
+    ("mixed_moe", torch.bfloat16, "eager", "eager experts"),
     ("single_expert", torch.bfloat16, "grouped_mm", "a single expert"),
     ("mixed_moe", torch.bfloat16, "grouped_mm", None),
     ("single_expert", torch.float32, "batched_mm", None),
@@ -28,11 +28,11 @@ def test_experts_that_sync_are_named(name, dtype, implementation, reason):
     model.set_experts_implementation(implementation)
     blocker = experts_capture_blocker(model)
     assert blocker is None if reason is None else reason in blocker
-    if reason is None:
-        return
     backend = TritonBackend()
-    assert use_graphs(BlockDiffusionConfig(), backend, CUDA, model) is False
-    assert use_graphs(BlockDiffusionConfig(cuda_graphs=False), backend, CUDA, model) is False
+    assert use_graphs(BlockDiffusionConfig(), backend, CUDA, model) is (reason is None)
+    if reason is None:
+        assert use_graphs(BlockDiffusionConfig(cuda_graphs=True), backend, CUDA, model) is True
+        return
     with pytest.raises(ValueError, match="cuda_graphs=True .*set_experts_implementation"):
         use_graphs(BlockDiffusionConfig(cuda_graphs=True), backend, CUDA, model)
 
