@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import TRITON_AVAILABLE
-from .kernels.canvas_scoring import canvas_score_reference, canvas_score_triton
+from .kernels.canvas_scoring import FUSED_PROBS_DTYPES, canvas_score_reference, canvas_score_triton
 from .kernels.scoring import (distribution_scores, gumbel_argmax, inverse_temperature, score_reference, score_triton,
                               top_k_filter)
 
@@ -102,6 +102,6 @@ def score_canvas(logits: torch.Tensor, softcap: float | None, temperature: torch
                  counter: torch.Tensor, probs_dtype: torch.dtype):
     """A DiffusionGemma step's (sample, argmax, entropy, logprob, probs) from raw LM-head logits [n, V]: the fused
     kernel on CUDA, its torch reference elsewhere (`kernels.canvas_scoring`)."""
-    fused = logits.is_cuda and TRITON_AVAILABLE and probs_dtype in (torch.float32, torch.bfloat16)
+    fused = logits.is_cuda and TRITON_AVAILABLE and probs_dtype in FUSED_PROBS_DTYPES
     score = canvas_score_triton if fused else canvas_score_reference
     return score(logits, softcap, temperature, seed, counter, probs_dtype)

@@ -71,7 +71,7 @@ def decoding_mode(model: torch.nn.Module, fusion: str = "none"):
     layers = decoder_layers(model) if fusion == "compile" else []
     for norm in norms:
         norm.forward = _fused_rms_norm_forward.__get__(norm)
-    dynamic = shape_policy(model)
+    dynamic = shape_policy(model) if layers else None  # read only when compiling: this runs at every forward
     for layer in layers:
         layer.forward = compiled_forward(type(layer), dynamic).__get__(layer)
     try:

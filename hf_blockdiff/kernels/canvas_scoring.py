@@ -18,6 +18,7 @@ from . import TRITON_AVAILABLE, require_triton
 from .scoring import gumbel_argmax
 
 NOISE_ELEMENTS = 1 << 24  # Gumbel noise values hashed at once by the torch reference
+FUSED_PROBS_DTYPES = (torch.float32, torch.bfloat16)  # the probabilities canvas_score_triton writes
 
 
 def processed_logits(logits: torch.Tensor, softcap: float | None, temperature: torch.Tensor) -> torch.Tensor:
@@ -60,7 +61,7 @@ def canvas_score_reference(logits, softcap, temperature, seed, counter, probs_dt
 def canvas_score_triton(logits, softcap, temperature, seed, counter, probs_dtype, block_v=4096):
     """Fused canvas_score_reference: one program per row (float32 or bfloat16 probabilities)."""
     require_triton("canvas_score_triton")
-    if probs_dtype not in (torch.float32, torch.bfloat16):
+    if probs_dtype not in FUSED_PROBS_DTYPES:
         raise ValueError(f"canvas_score_triton: probs_dtype={probs_dtype} is not float32 or bfloat16; use "
                          "canvas_score_reference.")
     N, V = logits.shape
