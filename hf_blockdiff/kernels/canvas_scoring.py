@@ -2,14 +2,15 @@
 argmax's log-probability of every row, and the softmax that self-conditions the next step.
 
 processed = softcap(logits) / T with softcap(x) = tanh(x / c) · c in float32 (none when c is None) and T a 0-dim
-float32 tensor (the step's temperature, read on the device so a captured step follows the schedule). Of softmax(processed):
-sample = argmax(processed + g) with the rows' counter-based Gumbel noise g (`rng`), argmax (ties to the lowest id),
-entropy, log-probability of the argmax; probs = softmax(processed cast to the model dtype, in float32), cast to
-the model dtype — the input of the self-conditioning GEMM, as transformers' DiffusionGemma computes it.
+float32 tensor (the step's temperature, read on the device so a captured step follows the schedule). Of
+softmax(processed): sample = argmax(processed + g) with the rows' counter-based Gumbel noise g (`rng`), argmax (ties
+to the lowest id), entropy, log-probability of the argmax; probs = softmax(processed cast to the model dtype, in
+float32), cast to the model dtype — the input of the self-conditioning GEMM, as transformers' DiffusionGemma
+computes it.
 
 `canvas_score_triton` reads the logits twice (statistics, then the probabilities) and builds no [N, V] tensor but
-its output probabilities; `canvas_score_reference` is the plain torch version it is tested against (ulp differences apart: the
-kernel's tanh, exp and log are not torch's).
+its output probabilities; `canvas_score_reference` is the plain torch version it is tested against (ulp differences
+apart: the kernel's tanh, exp and log are not torch's).
 """
 
 import torch
