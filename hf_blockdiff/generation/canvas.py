@@ -5,7 +5,8 @@ window here). The canvas rules (noise, acceptance, stopping, temperature) are `s
 pieces come from `model_patches.diffusion_gemma` as a `CanvasModel`.
 
 A denoise step has fixed shapes [slots, canvas_length] and no host sync, so with the `triton` backend on CUDA it is
-captured once as a CUDA graph and replayed; the host reads one flag per step (has every canvas stopped).
+captured once as a CUDA graph and replayed; the host reads two flags per step (has every canvas stopped; did a
+slot's logits come out inf or nan, which stops the call).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from ..attention import AttentionBackend
 from ..cache import PagedBlockCache
 from ..scheduler.canvas import CanvasRules, CanvasState, CounterNoise, TorchOrderNoise
-from .engine import Results
+from .engine import Results, nonfinite_error
 
 
 class CanvasModel(Protocol):
@@ -153,9 +154,12 @@ class CanvasEngine:
                 self.conditioning.zero_()
                 while True:
                     self.step()
+                    finished, bad = state.status()
+                    if bad is not None:
+                        raise nonfinite_error(bad, f"at denoising step {int(state.step)} of canvas {canvas}")
                     if stream is not None:
                         stream.draft(state.argmax[0])
-                    if bool(state.finished()):
+                    if finished:
                         break
                 tokens, valid = state.argmax.clone(), torch.ones_like(state.argmax, dtype=torch.bool)
                 generated.append((tokens, self.logprob.clone(), self.entropy.clone()))

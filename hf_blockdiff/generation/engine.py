@@ -259,14 +259,19 @@ class _Progress:
         self.bar.close()
 
 
+def nonfinite_error(prompt: int, where: str) -> FloatingPointError:
+    """The error that stops a call whose logits of `prompt` came out inf or nan (`where`: at which forward)."""
+    return FloatingPointError(
+        f"The logits of prompt {prompt} (row {prompt} of input_ids) were inf or nan {where}: the model's hidden "
+        "states overflowed or hold NaN (fp16? load it in bfloat16 or float32); the call was stopped."
+    )
+
+
 def _check_finite(nonfinite: list[int], owner: list[int]) -> None:
     bad = [(owner[slot], forward) for slot, forward in enumerate(nonfinite) if forward >= 0 and owner[slot] >= 0]
     if bad:
         prompt, forward = bad[0]
-        raise FloatingPointError(
-            f"The logits of prompt {prompt} (row {prompt} of input_ids) were inf or nan at forward {forward}: the model's "
-            "hidden states overflowed or hold NaN (fp16? load it in bfloat16 or float32); the call was stopped."
-        )
+        raise nonfinite_error(prompt, f"at forward {forward}")
 
 
 def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], max_batch_size: int | None,

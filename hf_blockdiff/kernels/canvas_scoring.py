@@ -122,9 +122,9 @@ if TRITON_AVAILABLE:
         m_rounded = tl.full([], -1.0e30, tl.float32)
         s_rounded = tl.zeros([BLOCK_V], tl.float32)  # Σ e^(round(z) − round(m)), for the bfloat16 softmax
         top = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        top_i = tl.full([BLOCK_V], V, tl.int32)
+        top_i = tl.zeros([BLOCK_V], tl.int32)  # a row of nan or -inf only gives token 0, never an id past V
         best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        best_i = tl.full([BLOCK_V], V, tl.int32)
+        best_i = tl.zeros([BLOCK_V], tl.int32)
         for start in range(0, V, BLOCK_V):
             cols = start + lanes
             z = _processed(x_row, cols, V, temperature, cap, inverse_cap, SOFTCAP)

@@ -143,10 +143,10 @@ if TRITON_AVAILABLE:
         w_vec = tl.zeros([BLOCK_V], tl.float32)  # sum of e^(z - m) * (z - m)
         t1 = tl.full([BLOCK_V], neg_inf, tl.float32)
         t2 = tl.full([BLOCK_V], neg_inf, tl.float32)
-        i1 = tl.full([BLOCK_V], V, tl.int32)
+        i1 = tl.zeros([BLOCK_V], tl.int32)  # a row of nan or -inf only gives token 0, never an id past V
         if SAMPLE:
             best = tl.full([BLOCK_V], neg_inf, tl.float32)
-            best_i = tl.full([BLOCK_V], V, tl.int32)
+            best_i = tl.zeros([BLOCK_V], tl.int32)
             best_z = tl.full([BLOCK_V], neg_inf, tl.float32)
         for start in range(0, V, BLOCK_V):
             cols = start + lanes

@@ -47,6 +47,7 @@ class CanvasState:
         self.step = torch.zeros((), dtype=torch.int32, device=device)  # steps of the current canvas so far
         self.steps = torch.zeros(slots, dtype=torch.long, device=device)  # decoding steps per slot (TPF)
         self.counting = torch.zeros(slots, dtype=torch.bool, device=device)  # slots not stopped by a stop id
+        self.nonfinite = torch.zeros(slots, dtype=torch.bool, device=device)  # a step's logits held inf or nan
 
     def start(self, tokens: torch.Tensor, counting: torch.Tensor) -> None:
         """A new canvas in every slot, holding `tokens` [S, L] (uniform noise); `counting`: slots whose steps count."""
@@ -72,6 +73,7 @@ class CanvasState:
         (their self-conditioning moves on)."""
         rules, live = self.rules, self.denoising.clone()
         self.steps.add_((live & self.counting).long())
+        self.nonfinite.logical_or_(live & ~torch.isfinite(entropy).all(-1))
         accepted = entropy_bound_accept(entropy, rules.entropy_bound)
         renoised = torch.where(accepted, sampled, fresh)
         self.canvas.copy_(torch.where(live[:, None], renoised, self.canvas))
@@ -88,6 +90,13 @@ class CanvasState:
     def finished(self) -> torch.Tensor:
         """0-dim bool: no slot denoises any more, or the canvas has had its N steps."""
         return ~self.denoising.any() | (self.step >= self.rules.steps)
+
+    def status(self) -> tuple[bool, int | None]:
+        """In one host read: whether the canvas is finished, and the first slot whose logits were inf or nan (None:
+        none; its tokens are not to be trusted, and the caller stops: an all-NaN row samples token 0)."""
+        finished, any_bad, bad = torch.stack([self.finished().long(), self.nonfinite.any().long(),
+                                              self.nonfinite.long().argmax()]).tolist()
+        return bool(finished), bad if any_bad else None
 
 
 class CounterNoise:

@@ -65,3 +65,14 @@ def test_default_launch_over_a_vocabulary_of_several_chunks(device, assert_close
     for got, expected in zip(out[2:4], ref[2:4]):
         assert_close(got, expected, torch.float32)
     assert_close(out[4].float(), ref[4].float(), torch.bfloat16)
+
+
+def test_rows_of_nan_give_token_zero_and_nonfinite_entropy(device):
+    """A NaN row samples and argmaxes token 0, never an id past the vocabulary (the next step embeds it); its
+    entropy is NaN, which stops the call (scheduler.canvas.CanvasState.status)."""
+    logits, seeds, counters = step_inputs(2, 1003, torch.float32, device, seed=4)
+    logits[0] = float("nan")
+    out = canvas_score_triton(logits, 30.0, torch.tensor(0.7, device=device), seeds, counters, torch.float32,
+                              block_v=256)
+    assert out[0][0] == 0 and out[1][0] == 0 and torch.isnan(out[2][0])
+    assert 0 < out[1][1] < 1003 and torch.isfinite(out[2][1])

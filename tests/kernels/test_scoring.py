@@ -148,3 +148,15 @@ def test_noise_twin_is_bit_identical(device):
 def test_full_vocab_batch_gpu(temperature, top_k, assert_close):
     logits = random_logits(512, 151936, torch.bfloat16, "cuda", seed=top_k)
     check_scores(logits, temperature, top_k, row_seeds(512, "cuda", seed=1), assert_close)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_rows_of_nan_or_minus_inf_give_token_zero_and_nonfinite_confidence(temperature, device):
+    """A broken row never proposes an id past the vocabulary (an embedding lookup of it would fault); its
+    confidence is not finite, which stops the call (scheduler.check_scores)."""
+    logits = random_logits(3, 1001, torch.float32, device, seed=3)
+    logits[0] = float("nan")
+    logits[1] = float("-inf")
+    proposal, confidence, *_ = score_triton(logits, MASK_ID, temperature, 0, *row_seeds(3, device, 1), block_v=256)
+    assert proposal[:2].tolist() == [0, 0] and 0 < proposal[2] < 1001
+    assert not torch.isfinite(confidence[:2]).any() and torch.isfinite(confidence[2])

@@ -161,3 +161,30 @@ def test_torch_order_noise_matches_transformers_gpu():
     expected = reference(model, ids, mask, 3 * CANVAS, theirs, seed=7)
     out = ours(model, ids, mask, 3 * CANVAS, fields, seed=7, noise="torch", attention_backend="sdpa")
     assert torch.equal(out.sequences, expected.sequences)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_nan_logits_stop_the_call_naming_prompt_step_and_canvas(device):
+    """Logits that turn NaN (prompt 1's decoder output from the second denoising step on; on CUDA inside the
+    captured step) stop the call with the prompt, step and canvas named instead of decoding garbage; the model's
+    attention implementation is restored."""
+    model = tiny_diffusion_gemma("mixed_moe").to(device)
+    model.set_experts_implementation("batched_mm")  # float32 grouped GEMMs do not capture (`experts_capture`)
+    implementation = model.config._attn_implementation
+    calls = torch.zeros((), dtype=torch.long, device=device)
+
+    def poison(module, args, output):  # device ops only, so a captured step repeats them
+        calls.add_(1)
+        prompt_one = torch.arange(output.shape[0], device=device)[:, None, None] == 1
+        return torch.where(prompt_one & (calls > 1), float("nan"), output)
+
+    handle = model.model.decoder.norm.register_forward_hook(poison)
+    _, fields = settings(6, bound=3.0, confidence=2.5, stability=0)
+    ids, mask = (t.to(device) for t in prompts([5, 9]))
+    cfg = BlockDiffusionConfig(max_new_tokens=2 * CANVAS, **fields, cuda_graphs=device == "cuda")
+    try:
+        with pytest.raises(FloatingPointError, match=r"prompt 1 .*inf or nan at denoising step 2 of canvas 0"):
+            model.generate_multi_block(ids, cfg, attention_mask=mask)
+    finally:
+        handle.remove()
+    assert model.config._attn_implementation == implementation and not model.training
