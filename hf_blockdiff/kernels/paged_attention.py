@@ -165,8 +165,7 @@ if TRITON_AVAILABLE:
         r, hkv = pid_rh // Hkv, pid_rh % Hkv
         Hq = Hkv * GROUP
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
+        offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
         w, head = offs_m // GROUP, hkv * GROUP + offs_m % GROUP
         row_ok = w < W
         d_ok = offs_d < HEAD_DIM
