@@ -46,17 +46,19 @@ def _sm_count(device_index):
 def _auto_splits(programs, rows, block_d, capacity, device):
     """Split the key range only when the grid cannot fill the GPU (small batch, long prefix).
 
-    Aim at two programs per SM, at least 128 keys per split, at most 16 splits (the best on an H100 for
-    SDAR-4B decode shapes: batch 1 goes from 193 to 19 us at prefix 8192, batch >= 32 is left unsplit). Heads of
-    dim >= 256 with >= 256 (query, head) rows per KV head are never split: their partial states cost more than the
-    idle SMs (a DiffusionGemma canvas of 256 queries at batch 1, H100: 148 us split, 69 us not; narrower heads were
-    not measured and keep the rule above)."""
+    Aim at two programs per SM and at most 16 splits (the best on an H100 for SDAR-4B decode shapes: batch 1 goes
+    from 193 to 19 us at prefix 8192, batch >= 32 is left unsplit), each split of at least 128 keys, or 384 for tiles
+    of >= 256 (query, head) rows per KV head, whose partial states cost more to merge (H200, GPU time under a graph:
+    a LLaDA-8B canvas of 384 queries 61 us in 3 splits, 19 us in one; Dream-7B's 512, 68 against 27; an SDAR-4B
+    prefill chunk after 2,048 keys 44 us in 9 splits, 34 in 4). Heads of dim >= 256 with that many rows are never
+    split (a DiffusionGemma canvas at batch 1, H100: 148 us split, 69 us not)."""
     if device.type != "cuda" or (rows >= 256 and block_d >= 256):
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= sms:
         return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), capacity // 128, 16))
+    keys_per_split = 384 if rows >= 256 else 128
+    return max(1, min(triton.cdiv(2 * sms, programs), capacity // keys_per_split, 16))
 
 
 def _dot_precision(q):

@@ -123,19 +123,22 @@ def test_wide_heads_over_a_canvas(window, dtype, device, assert_close, poisoned)
     check(limits, 2, 8, 512, 16, dtype, device, assert_close, seed=5, starts=starts)
 
 
-@pytest.mark.parametrize("rows,head_dim,programs,splits", [
-    (16, 128, 8, 16),  # SDAR decode at batch 1: split to fill the GPU
-    (512, 128, 32, 9),  # a prefill chunk of narrow heads: still split (not measured otherwise)
-    (512, 256, 64, 1),  # a DiffusionGemma canvas: never split
-    (2048, 512, 128, 1),
-    (16, 128, 264, 1),  # a full grid
+@pytest.mark.parametrize("rows,head_dim,programs,capacity,splits", [
+    (16, 128, 8, 8192, 16),  # SDAR decode at batch 1: split to fill the GPU
+    (16, 128, 8, 512, 4),  # ... into splits of at least 128 keys
+    (512, 128, 32, 2176, 5),  # a prefill chunk of narrow heads after 2,048 keys: splits of at least 384 keys
+    (384, 128, 96, 384, 1),  # a LLaDA canvas: one split's worth of keys
+    (3584, 128, 112, 512, 1),  # a Dream canvas (7 query heads per KV head)
+    (512, 256, 64, 8192, 1),  # a DiffusionGemma canvas: never split
+    (2048, 512, 128, 8192, 1),
+    (16, 128, 264, 8192, 1),  # a full grid
 ])
-def test_auto_splits(rows, head_dim, programs, splits, monkeypatch):
+def test_auto_splits(rows, head_dim, programs, capacity, splits, monkeypatch):
     """The split choice on a 132-SM GPU (the choice reads shapes only, so it runs without one)."""
     from hf_blockdiff.kernels import paged_attention as module
 
     monkeypatch.setattr(module, "_sm_count", lambda index: 132)
-    assert module._auto_splits(programs, rows, head_dim, 8192, torch.device("cuda", 0)) == splits
+    assert module._auto_splits(programs, rows, head_dim, capacity, torch.device("cuda", 0)) == splits
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
