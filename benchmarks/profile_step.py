@@ -1,5 +1,6 @@
-"""Where a decode step's GPU time goes: `python3 benchmarks/profile_step.py --batch-size 128` prints the top CUDA
-kernels of one warm generate_multi_block call on SDAR-4B shapes (random weights)."""
+"""Where a decode step's GPU time goes: `python3 benchmarks/profile_step.py --batch-size 128` (from the repository
+root; `PYTHONPATH=$PWD` where the package is not installed) prints the top CUDA kernels of one warm
+generate_multi_block call on SDAR-4B shapes (random weights)."""
 
 import argparse
 
