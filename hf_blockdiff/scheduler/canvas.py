@@ -73,7 +73,7 @@ class CanvasState:
         (their self-conditioning moves on)."""
         rules, live = self.rules, self.denoising.clone()
         self.steps.add_((live & self.counting).long())
-        self.nonfinite.logical_or_(live & ~torch.isfinite(entropy).all(-1))
+        self.nonfinite.logical_or_(live & self.counting & ~torch.isfinite(entropy).all(-1))  # tokens that count
         accepted = entropy_bound_accept(entropy, rules.entropy_bound)
         renoised = torch.where(accepted, sampled, fresh)
         self.canvas.copy_(torch.where(live[:, None], renoised, self.canvas))
