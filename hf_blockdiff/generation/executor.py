@@ -12,6 +12,7 @@ import torch
 from ..attention import AttentionBackend
 from ..cache import PagedBlockCache
 from ..config import BlockDiffusionConfig
+from ..kernels.skinny_gemm import MAX_ROWS
 from ..scheduler import ForwardLayout, ScoreRequest, Stored
 from ..scheduler.chunks import Chunks
 from ..scoring import SamplingParams, Scores, logit_salience, penalize_preceding, score_logits
@@ -27,6 +28,10 @@ class ModelExecutor:
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         self.lm_head = model.get_output_embeddings()
         self.num_rows, self.guided = rows, cfg.cfg_scale > 0
+        # the skinny-GEMM projections where every denoising forward fits their kernel (the active blocks and a stored
+        # one per row): the ops take more rows through cuBLAS, but the MLP's activation would then run unfused
+        step_tokens = (2 if self.guided else 1) * rows * (cfg.max_active_blocks + 1) * cfg.block_size
+        self.skinny = fusion != "none" and step_tokens <= MAX_ROWS
         layers = model.config.get_text_config().num_hidden_layers
         self.cache = cache if cache is not None else PagedBlockCache(layers, cfg.page_size)
         self.cache.start(2 * rows if self.guided else rows, width, pool_tokens, device)
@@ -45,7 +50,7 @@ class ModelExecutor:
             rows = torch.cat([rows, rows + self.num_rows])
             positions, limits, valid = positions.repeat(2, 1), limits.repeat(2, 1), valid.repeat(2, 1)
         plan = self.backend.plan(self.cache, rows, positions, valid, limits.int())
-        with decoding_mode(self.model, self.fusion):
+        with decoding_mode(self.model, self.fusion, self.skinny):
             out = self.decoder(input_ids=tokens, position_ids=positions, use_cache=False,
                                blockdiff_cache=self.cache, blockdiff_plan=plan)
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])

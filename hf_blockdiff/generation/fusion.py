@@ -3,7 +3,9 @@
 `decoding_mode(model, fusion)` routes the model's attention through hf_blockdiff for the duration of a block and,
 with `fusion="norms"`, runs its stock RMSNorms as one Triton kernel each, with `fusion="compile"` its decoder layers
 through torch.compile (inductor fuses norms, rotary embedding and the gated MLP's activation; the cache write and the
-attention stay eager between the compiled pieces). Everything is restored after, also when the block raises.
+attention stay eager between the compiled pieces). With `skinny=True` (the executor's choice when its denoising
+forwards hold few tokens) the stock gated MLPs and Qwen attentions run their projections as skinny-GEMM ops
+(`fused_layers.py`). Everything is restored after, also when the block raises.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..attention import ATTENTION_NAME, AttentionBackend
 from ..config import BlockDiffusionConfig
 from ..kernels.rmsnorm import rms_norm
 from ..quantization import compiles_well
+from .fused_layers import fused_forwards
 
 # transformers' RMSNorm classes whose forward is exactly kernels.rmsnorm.rms_norm_reference
 STOCK_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm")
@@ -63,14 +66,17 @@ def shape_policy(model) -> bool | None:
 
 
 @contextmanager
-def decoding_mode(model: torch.nn.Module, fusion: str = "none"):
+def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = False):
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME
     norms = [m for m in model.modules() if type(m).__name__ in STOCK_RMS_NORMS] if fusion == "norms" else []
     layers = decoder_layers(model) if fusion == "compile" else []
+    projections = fused_forwards(model) if skinny else []
     for norm in norms:
         norm.forward = _fused_rms_norm_forward.__get__(norm)
+    for module, forward in projections:
+        module.forward = forward
     dynamic = shape_policy(model) if layers else None  # read only when compiling: this runs at every forward
     for layer in layers:
         layer.forward = compiled_forward(type(layer), dynamic).__get__(layer)
@@ -79,5 +85,5 @@ def decoding_mode(model: torch.nn.Module, fusion: str = "none"):
             yield
     finally:
         config._attn_implementation = previous
-        for module in norms + layers:
+        for module in norms + layers + [module for module, _ in projections]:
             del module.forward

@@ -88,15 +88,8 @@ if TRITON_AVAILABLE:
     import triton.language as tl
 
     from .rng import row_key_tl, uniform_noise_tl
+    from .rounding import round_bf16 as _round_bf16
     from .scoring import _online_softmax_update
-
-    @triton.jit
-    def _round_bf16(x):
-        """x rounded to the nearest bfloat16 (ties to even), as float32: the bit arithmetic is the same on GPUs
-        and under TRITON_INTERPRET (whose casts truncate)."""
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _processed(x_row, cols, V, temperature, cap, inverse_cap, SOFTCAP: tl.constexpr):

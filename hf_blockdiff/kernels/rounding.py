@@ -1,0 +1,14 @@
+"""Rounding to bfloat16 inside Triton kernels, the same on GPUs and under TRITON_INTERPRET (whose casts truncate)."""
+
+from . import TRITON_AVAILABLE
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def round_bf16(x):
+        """fp32 x rounded to the nearest bfloat16 (ties to even), as float32, by bit arithmetic."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)

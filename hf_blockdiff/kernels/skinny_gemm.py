@@ -1,0 +1,198 @@
+"""Skinny GEMMs: the decoder's projections in a forward of few tokens (a decode step at small batch), where reading
+the weights is all the time there is.
+
+grouped_linear(x, weights, biases) = [x·Wᵢᵀ + bᵢ for each i] in one launch (a layer's q, k and v projections, which
+cuBLAS runs as three kernels, the small k and v ones at a third of the memory bandwidth).
+gated_linear(x, gate, up) = silu(x·Wgᵀ)·(x·Wuᵀ), rounded as transformers' gated MLP rounds it: each projection to
+x's dtype, the activation to x's dtype, then the product (one launch instead of two GEMMs and an elementwise kernel).
+
+The Triton kernel runs up to `MAX_ROWS` rows of x (`ONE_WEIGHT_MAX_ROWS` for a single weight); more rows go to
+cuBLAS (`torch.nn.functional.linear`) inside the same op. Both are torch custom ops (`torch.library.custom_op`, shapes
+from a fake implementation): a torch.compile'd layer calls them as opaque kernels, so the choice by row count makes
+no shape guard (a guard crossed first while a CUDA graph is captured would recompile inside the capture).
+
+Each program computes `BLOCK_N` output columns for every row (rows padded to a power of two of at least 16 for the
+tensor cores) and streams its weight rows once; fp32 accumulation, fp32 inputs multiplied in IEEE fp32 (no TF32).
+Outputs agree with `torch.nn.functional.linear` to the summation order.
+"""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from . import TRITON_AVAILABLE, require_triton
+
+MAX_ROWS = 64
+ONE_WEIGHT_MAX_ROWS = 16  # one weight alone beats cuBLAS only up to here (H200: at 32 rows its down projection wins)
+
+
+def grouped_linear_reference(x: torch.Tensor, weights: list, biases: list) -> list:
+    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+
+
+def gated_linear_reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """transformers' LlamaMLP / Qwen3MLP before its down projection, `act_fn` SiLU."""
+    return F.silu(F.linear(x, gate)) * F.linear(x, up)
+
+
+def _check(x: torch.Tensor, weights: list) -> None:
+    require_triton("skinny GEMMs")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [rows, in_features], got {list(x.shape)}")
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != x.dtype or not w.is_contiguous():
+            raise ValueError(f"weights must be contiguous [out, {x.shape[1]}] in {x.dtype}, got {list(w.shape)} "
+                             f"{w.dtype}")
+
+
+def _tiles(n_out: int, width: int, gated: bool, block_m: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, pipeline stages), from an H200 sweep at SDAR-4B's shapes (q/k/v and gate/up 3.0-3.9 TB/s
+    at 4-16 rows against cuBLAS's 1.2-3.0, 2.6-3.5 at 32-64): 64 columns for wide outputs, long K steps for long rows,
+    short ones when gated (two weight tiles in flight) or at 64 rows (shared memory)."""
+    if gated:
+        return (32 if block_m == 16 else 64), 128, 3
+    block_k = 128 if block_m == 64 else 512 if width >= 4096 else 256
+    return (64 if n_out > 4096 else 32), block_k, 4
+
+
+def grouped_linear(x: torch.Tensor, weights: list, biases: list) -> list:
+    """x [rows, K] and up to three weights [Nᵢ, K] (biases [Nᵢ] or None) → [rows, Nᵢ] each."""
+    _check(x, weights)
+    if not 1 <= len(weights) <= 3 or len(biases) != len(weights):
+        raise ValueError("grouped_linear takes one to three weights, and one bias (or None) for each")
+    if any((b is None) != (biases[0] is None) for b in biases):
+        raise ValueError("grouped_linear: give a bias for every weight or for none")
+    return torch.ops.hf_blockdiff.grouped_linear(x.contiguous(), list(weights), list(biases))
+
+
+def gated_linear(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """x [rows, K], gate and up [N, K] → silu(x·gateᵀ)·(x·upᵀ) [rows, N]."""
+    _check(x, [gate, up])
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have one shape, got {list(gate.shape)} and {list(up.shape)}")
+    return torch.ops.hf_blockdiff.gated_linear(x.contiguous(), gate, up)
+
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+    from torch.library import custom_op
+
+    from .rounding import round_bf16
+
+    # Triton's CPU interpreter multiplies bf16 tiles as raw bits: there the tiles go to fp32 first (bf16 products are
+    # exact in fp32, as on the tensor cores, so only the summation order differs)
+    _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+    @triton.jit
+    def _dot(x, w, acc, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        return tl.dot(x, tl.trans(w), acc)
+
+    @triton.jit
+    def _rounded(x, dtype: tl.constexpr):
+        """fp32 x rounded to `dtype` (bf16 by bit arithmetic, so the CPU interpreter rounds as GPUs do), as fp32."""
+        if dtype == tl.bfloat16:
+            return round_bf16(x)
+        return x.to(dtype).to(tl.float32)
+
+    # no variant per row count (none first compiled while a CUDA graph is captured); x is made 16-byte aligned in
+    # `_launch`, so its alignment specialization never changes either (left unspecialized, its loads made a batch-1
+    # step 25 % slower on an H200)
+    @triton.jit(do_not_specialize=["rows"])
+    def _skinny_kernel(x_ptr, w0, w1, w2, b0, b1, b2, y0, y1, y2, n0, n1, n2, rows, K,
+                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # program → (weight, column tile); GATED: every program reads the same columns of w0 (gate) and w1 (up)
+        pid = tl.program_id(0)
+        tiles0 = tl.cdiv(n0, BLOCK_N)
+        tiles1 = tl.cdiv(n1, BLOCK_N)
+        w_ptr = w0
+        b_ptr = b0
+        y_ptr = y0
+        n = n0
+        tile = pid
+        if not GATED:
+            if pid >= tiles0 + tiles1:
+                w_ptr = w2
+                b_ptr = b2
+                y_ptr = y2
+                n = n2
+                tile = pid - tiles0 - tiles1
+            elif pid >= tiles0:
+                w_ptr = w1
+                b_ptr = b1
+                y_ptr = y1
+                n = n1
+                tile = pid - tiles0
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * K + ks[None, :], mask=(rm[:, None] < rows) & (ks[None, :] < K),
+                        other=0.0)
+            w_mask = (cols[:, None] < n) & (ks[None, :] < K)
+            w_offsets = cols[:, None].to(tl.int64) * K + ks[None, :]
+            acc = _dot(x, tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0), acc, IEEE)
+            if GATED:
+                acc_up = _dot(x, tl.load(w1 + w_offsets, mask=w_mask, other=0.0), acc_up, IEEE)
+        dtype = y_ptr.dtype.element_ty
+        if GATED:
+            gate = _rounded(acc, dtype)
+            out = _rounded(gate / (1.0 + tl.exp(-gate)), dtype) * _rounded(acc_up, dtype)
+        else:
+            out = acc
+            if HAS_BIAS:
+                out += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+        y_mask = (rm[:, None] < rows) & (cols[None, :] < n)
+        tl.store(y_ptr + rm[:, None] * n + cols[None, :], _rounded(out, dtype).to(dtype), mask=y_mask)
+
+    def _launch(x, weights, biases, outputs, gated):
+        if x.data_ptr() % 16:
+            x = x.clone()
+        rows, width = x.shape
+        widths = [w.shape[0] for w in weights] + [0] * (3 - len(weights))
+        has_bias = biases[0] is not None
+        block_m = max(16, triton.next_power_of_2(rows))
+        block_n, block_k, stages = _tiles(sum(widths), width, gated, block_m)
+        programs = triton.cdiv(widths[0], block_n) if gated else sum(triton.cdiv(n, block_n) for n in widths)
+        _skinny_kernel[(programs,)](
+            x, *_three(weights), *_three(biases if has_bias else weights), *_three(outputs), *widths, rows, width,
+            HAS_BIAS=has_bias, GATED=gated, IEEE=x.dtype == torch.float32 or _INTERPRETED, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages,
+        )
+
+    def _three(tensors: list) -> list:
+        """The kernel's three slots; unused ones repeat the first tensor (their width is 0: no program reads them)."""
+        return list(tensors) + [tensors[0]] * (3 - len(tensors))
+
+    @custom_op("hf_blockdiff::grouped_linear", mutates_args=())
+    def _grouped_linear_op(x: torch.Tensor, weights: list[torch.Tensor],
+                           biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        if x.shape[0] > (MAX_ROWS if len(weights) > 1 else ONE_WEIGHT_MAX_ROWS):
+            return grouped_linear_reference(x, weights, biases)
+        outputs = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+        _launch(x, weights, biases, outputs, gated=False)
+        return outputs
+
+    @_grouped_linear_op.register_fake
+    def _grouped_linear_shapes(x, weights, biases):
+        """Shapes only: tracing never runs the kernel (nor Triton's CPU interpreter)."""
+        return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+
+    @custom_op("hf_blockdiff::gated_linear", mutates_args=())
+    def _gated_linear_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MAX_ROWS:
+            return gated_linear_reference(x, gate, up)
+        out = x.new_empty(x.shape[0], gate.shape[0])
+        _launch(x, [gate, up], [None, None], [out], gated=True)
+        return out
+
+    @_gated_linear_op.register_fake
+    def _gated_linear_shapes(x, gate, up):
+        return x.new_empty(x.shape[0], gate.shape[0])

@@ -1,0 +1,81 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_blockdiff.kernels.skinny_gemm import (
+    MAX_ROWS, ONE_WEIGHT_MAX_ROWS, gated_linear, gated_linear_reference, grouped_linear, grouped_linear_reference,
+)
+
+pytest.importorskip("triton")
+
+
+def _tensors(device, dtype, rows, width, outs, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator).to(device, dtype)
+    weights = [(torch.randn(n, width, generator=generator) / width**0.5).to(device, dtype) for n in outs]
+    biases = [torch.randn(n, generator=generator).to(device, dtype) for n in outs]
+    return x, weights, biases
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, MAX_ROWS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_grouped_linear_matches_fp64(device, poisoned, rows, dtype, with_bias, assert_close):
+    """Three outputs of widths that are no multiple of a tile, rows padded inside the kernel."""
+    x, weights, biases = _tensors(device, dtype, rows, 300, (96, 40, 17), seed=rows)
+    biases = biases if with_bias else [None] * 3
+    outputs = grouped_linear(x, weights, biases)
+    expected = grouped_linear_reference(x.double(), [w.double() for w in weights],
+                                        [b if b is None else b.double() for b in biases])
+    for out, ref, weight in zip(outputs, expected, weights):
+        assert out.shape == (rows, weight.shape[0]) and out.dtype == dtype
+        assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_linear_rounds_like_the_gated_mlp(device, poisoned, dtype, assert_close):
+    """silu(x·gateᵀ)·(x·upᵀ) with each projection and the activation rounded to the dtype, as transformers rounds."""
+    x, (gate, up), _ = _tensors(device, dtype, 37, 520, (200, 200), seed=3)
+    out = gated_linear(x, gate, up)
+    g, u = ((x.double() @ w.double().T).to(dtype) for w in (gate, up))
+    expected = (F.silu(g.double()).to(dtype).double() * u.double()).to(dtype)
+    assert out.shape == (37, 200) and out.dtype == dtype
+    assert_close(out, expected, dtype)
+    if dtype == torch.bfloat16:  # a projection rounds the other way where fp32 sums straddle a bf16 midpoint
+        assert (out != gated_linear_reference(x, gate, up)).float().mean() < 0.05
+
+
+def test_more_rows_than_the_kernel_takes_go_to_cublas(device):
+    """Past MAX_ROWS (one weight: ONE_WEIGHT_MAX_ROWS) the ops return torch's own results, bit for bit."""
+    x, weights, biases = _tensors(device, torch.bfloat16, MAX_ROWS + 1, 64, (32, 48), seed=9)
+    for out, ref in zip(grouped_linear(x, weights, biases), grouped_linear_reference(x, weights, biases)):
+        assert torch.equal(out, ref)
+    assert torch.equal(gated_linear(x, *weights[:1] * 2), gated_linear_reference(x, *weights[:1] * 2))
+    few = x[:ONE_WEIGHT_MAX_ROWS + 1]
+    (out,) = grouped_linear(few, weights[:1], [None])
+    assert torch.equal(out, grouped_linear_reference(few, weights[:1], [None])[0])
+
+
+def test_bad_shapes_are_refused():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"x must be \[rows, in_features\]"):
+        grouped_linear(x[None], [torch.randn(4, 8)], [None])
+    with pytest.raises(ValueError, match="weights must be contiguous"):
+        grouped_linear(x[:2], [torch.randn(4, 9)], [None])
+    with pytest.raises(ValueError, match="one bias"):
+        grouped_linear(x[:2], [torch.randn(4, 8)], [None, None])
+    with pytest.raises(ValueError, match="gate and up must have one shape"):
+        gated_linear(x[:2], torch.randn(4, 8), torch.randn(5, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [4, 8, 32, 64])
+def test_sdar_4b_shapes_gpu(rows, assert_close):
+    """The shapes the kernels are tuned for (SDAR-4B's q/k/v, gate/up, down), against cuBLAS."""
+    x, weights, _ = _tensors("cuda", torch.bfloat16, rows, 2560, (4096, 1024, 1024), seed=rows)
+    for out, ref in zip(grouped_linear(x, weights, [None] * 3), grouped_linear_reference(x, weights, [None] * 3)):
+        assert_close(out, ref.double(), torch.bfloat16)
+    _, (gate, up), _ = _tensors("cuda", torch.bfloat16, rows, 2560, (9728, 9728), seed=rows + 1)
+    assert_close(gated_linear(x, gate, up), gated_linear_reference(x, gate, up).double(), torch.bfloat16)
+    compiled = torch.compile(lambda h: gated_linear(h, gate, up), fullgraph=True)
+    assert torch.equal(compiled(x), gated_linear(x, gate, up))

@@ -1,0 +1,81 @@
+"""Stock MLPs and attentions with skinny-GEMM projections (`generation/fused_layers.py`): which modules are taken,
+the same outputs as the stock forwards, and the decode loop's tokens unchanged when they run."""
+
+import pytest
+import torch
+
+from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.generation import fused_layers
+from hf_blockdiff.generation.fused_layers import fused_attention_forward, fused_forwards, fused_mlp_forward
+
+from helpers import MASK, left_pad, random_prompts, tiny_model
+
+pytest.importorskip("triton")
+
+
+def _kinds(model):
+    return sorted(type(module).__name__ for module, _ in fused_forwards(model))
+
+
+def test_plain_projections_are_taken_and_wrapped_ones_left():
+    qwen3 = tiny_model("qwen3")
+    assert _kinds(qwen3) == ["Qwen3Attention"] * 2 + ["Qwen3MLP"] * 2
+    assert _kinds(tiny_model("llama")) == ["LlamaMLP"] * 2  # Llama's attention is not one of the Qwen forwards
+    qwen3.model.layers[0].mlp.up_proj.register_forward_hook(lambda *args: None)  # as tensor parallel or PEFT do
+    qwen3.model.layers[1].self_attn.k_proj.weight.data = qwen3.model.layers[1].self_attn.k_proj.weight.data.t()
+    assert _kinds(qwen3) == ["Qwen3Attention", "Qwen3MLP"]  # the hooked MLP and the non-contiguous k are left
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # Qwen2: biased q/k/v, no q/k norms
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [5, 20])  # 10 rows: every projection fused; 40: o and down by cuBLAS
+def test_fused_forwards_equal_the_stock_ones(family, dtype, tokens):
+    model = tiny_model(family).to(dtype)
+    layer = model.model.layers[0]
+    hidden = torch.randn(2, tokens, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    positions = torch.arange(tokens)[None].expand(2, -1)
+    rotary = model.model.rotary_emb(hidden, positions)
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fused_mlp_forward(layer.mlp, hidden), layer.mlp(hidden), **tolerance)
+    fused, _ = fused_attention_forward(layer.self_attn, hidden, rotary, None)
+    stock, _ = layer.self_attn(hidden, rotary, None)
+    torch.testing.assert_close(fused, stock, **tolerance)
+    assert fused.abs().max() > 0.1  # not a vanishing output that any kernel would match
+
+
+def test_decoding_runs_them_and_keeps_the_tokens(qwen3, monkeypatch):
+    """The Triton backend installs the fused forwards for the few-token denoising forwards (prefill stays stock);
+    tokens equal the sdpa backend's, which fuses nothing; the model's own forwards are back after the call."""
+    calls = {"grouped": 0, "gated": 0}
+
+    def counted(name, kernel):
+        def run(*args):
+            calls[name] += 1
+            return kernel(*args)
+        return run
+
+    monkeypatch.setattr(fused_layers, "grouped_linear", counted("grouped", fused_layers.grouped_linear))
+    monkeypatch.setattr(fused_layers, "gated_linear", counted("gated", fused_layers.gated_linear))
+    ids, mask = left_pad(random_prompts((9, 4, 6), seed=5))
+    config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, threshold=0.6, eos_token_id=[],
+                                  attention="block_causal", alignment="absolute")
+    plain, fused = (qwen3.generate_multi_block(ids, config.replace(attention_backend=backend), attention_mask=mask)
+                    for backend in ("sdpa", "triton"))
+    assert torch.equal(plain, fused)
+    # per layer: q/k/v and gate/up in every forward of up to 64 tokens, o and down up to 16 (the denoising steps)
+    assert calls["gated"] > 0 and calls["grouped"] > calls["gated"]
+    assert all("forward" not in vars(m) for m in qwen3.modules())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_", [False, True])
+def test_cuda_graph_steps_keep_the_tokens_gpu(compile_, monkeypatch):
+    """On the GPU (CUDA graphs, compiled layers or not): the tokens of the same steps with the fusion removed."""
+    model = tiny_model("qwen3").cuda()
+    ids, mask = left_pad(random_prompts((9, 4, 6), seed=6))
+    config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=16, threshold=0.6,
+                                  eos_token_id=[], attention="block_causal", alignment="absolute", compile=compile_)
+    fused = model.generate_multi_block(ids.cuda(), config, attention_mask=mask.cuda())
+    monkeypatch.setattr(fused_layers, "fused_forwards", lambda model: [])
+    monkeypatch.setattr("hf_blockdiff.generation.fusion.fused_forwards", lambda model: [])
+    assert torch.equal(fused, model.generate_multi_block(ids.cuda(), config, attention_mask=mask.cuda()))
