@@ -7,6 +7,7 @@ import torch
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.generation import fused_layers
 from hf_blockdiff.generation.fused_layers import fused_attention_forward, fused_forwards, fused_mlp_forward
+from hf_blockdiff.kernels import skinny_gemm
 
 from helpers import MASK, left_pad, random_prompts, tiny_model
 
@@ -21,9 +22,13 @@ def test_plain_projections_are_taken_and_wrapped_ones_left():
     qwen3 = tiny_model("qwen3")
     assert _kinds(qwen3) == ["Qwen3Attention"] * 2 + ["Qwen3MLP"] * 2
     assert _kinds(tiny_model("llama")) == ["LlamaMLP"] * 2  # Llama's attention is not one of the Qwen forwards
-    qwen3.model.layers[0].mlp.up_proj.register_forward_hook(lambda *args: None)  # as tensor parallel or PEFT do
+    qwen3.model.layers[0].mlp.up_proj.register_forward_hook(lambda *args: None)  # as transformers' tensor parallel
     qwen3.model.layers[1].self_attn.k_proj.weight.data = qwen3.model.layers[1].self_attn.k_proj.weight.data.t()
     assert _kinds(qwen3) == ["Qwen3Attention", "Qwen3MLP"]  # the hooked MLP and the non-contiguous k are left
+    mlp = qwen3.model.layers[1].mlp
+    mlp.forward = mlp.forward  # an instance forward, as accelerate's dispatch and offload hooks set
+    assert _kinds(qwen3) == ["Qwen3Attention"]
+    assert _kinds(tiny_model("llama", mlp_bias=True)) == []  # gated_linear takes no gate/up bias
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # Qwen2: biased q/k/v, no q/k norms
@@ -44,26 +49,27 @@ def test_fused_forwards_equal_the_stock_ones(family, dtype, tokens):
 
 
 def test_decoding_runs_them_and_keeps_the_tokens(qwen3, monkeypatch):
-    """The Triton backend installs the fused forwards for the few-token denoising forwards (prefill stays stock);
+    """The Triton backend installs the fused forwards (denoising forwards of 12 tokens here: the Triton kernel);
     tokens equal the sdpa backend's, which fuses nothing; the model's own forwards are back after the call."""
-    calls = {"grouped": 0, "gated": 0}
+    calls = {"grouped": 0, "gated": 0, "kernel": 0}
 
     def counted(name, kernel):
-        def run(*args):
+        def run(*args, **kwargs):
             calls[name] += 1
-            return kernel(*args)
+            return kernel(*args, **kwargs)
         return run
 
     monkeypatch.setattr(fused_layers, "grouped_linear", counted("grouped", fused_layers.grouped_linear))
     monkeypatch.setattr(fused_layers, "gated_linear", counted("gated", fused_layers.gated_linear))
+    monkeypatch.setattr(skinny_gemm, "_launch", counted("kernel", skinny_gemm._launch))
     ids, mask = left_pad(random_prompts((9, 4, 6), seed=5))
     config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, threshold=0.6, eos_token_id=[],
                                   attention="block_causal", alignment="absolute")
     plain, fused = (qwen3.generate_multi_block(ids, config.replace(attention_backend=backend), attention_mask=mask)
                     for backend in ("sdpa", "triton"))
     assert torch.equal(plain, fused)
-    # per layer: q/k/v and gate/up in every forward of up to 64 tokens, o and down up to 16 (the denoising steps)
-    assert calls["gated"] > 0 and calls["grouped"] > calls["gated"]
+    # the ops in every forward (the prefill's rows go to cuBLAS inside them), the Triton kernel in the denoising ones
+    assert calls["gated"] > 0 and calls["grouped"] == 3 * calls["gated"] and calls["kernel"] >= 4 * 2 * 6
     assert all("forward" not in vars(m) for m in qwen3.modules())
 
 
@@ -76,6 +82,5 @@ def test_cuda_graph_steps_keep_the_tokens_gpu(compile_, monkeypatch):
     config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=16, threshold=0.6,
                                   eos_token_id=[], attention="block_causal", alignment="absolute", compile=compile_)
     fused = model.generate_multi_block(ids.cuda(), config, attention_mask=mask.cuda())
-    monkeypatch.setattr(fused_layers, "fused_forwards", lambda model: [])
     monkeypatch.setattr("hf_blockdiff.generation.fusion.fused_forwards", lambda model: [])
     assert torch.equal(fused, model.generate_multi_block(ids.cuda(), config, attention_mask=mask.cuda()))

@@ -67,12 +67,12 @@ def shape_policy(model) -> bool | None:
 
 @contextmanager
 def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = False):
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
     norms = [m for m in model.modules() if type(m).__name__ in STOCK_RMS_NORMS] if fusion == "norms" else []
     layers = decoder_layers(model) if fusion == "compile" else []
     projections = fused_forwards(model) if skinny else []
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
     for norm in norms:
         norm.forward = _fused_rms_norm_forward.__get__(norm)
     for module, forward in projections:

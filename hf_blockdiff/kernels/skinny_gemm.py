@@ -36,14 +36,17 @@ def gated_linear_reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
     return F.silu(F.linear(x, gate)) * F.linear(x, up)
 
 
-def _check(x: torch.Tensor, weights: list) -> None:
+def _check(x: torch.Tensor, weights: list, biases: list) -> None:
     require_triton("skinny GEMMs")
     if x.dim() != 2:
         raise ValueError(f"x must be [rows, in_features], got {list(x.shape)}")
-    for w in weights:
+    for w, b in zip(weights, biases):
         if w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != x.dtype or not w.is_contiguous():
             raise ValueError(f"weights must be contiguous [out, {x.shape[1]}] in {x.dtype}, got {list(w.shape)} "
                              f"{w.dtype}")
+        if b is not None and (b.shape != w.shape[:1] or b.dtype != x.dtype or not b.is_contiguous()):
+            raise ValueError(f"biases must be contiguous [{w.shape[0]}] in {x.dtype}, got {list(b.shape)} "
+                             f"{b.dtype}")
 
 
 def _tiles(n_out: int, width: int, gated: bool, block_m: int) -> tuple[int, int, int]:
@@ -58,17 +61,17 @@ def _tiles(n_out: int, width: int, gated: bool, block_m: int) -> tuple[int, int,
 
 def grouped_linear(x: torch.Tensor, weights: list, biases: list) -> list:
     """x [rows, K] and up to three weights [Nᵢ, K] (biases [Nᵢ] or None) → [rows, Nᵢ] each."""
-    _check(x, weights)
     if not 1 <= len(weights) <= 3 or len(biases) != len(weights):
         raise ValueError("grouped_linear takes one to three weights, and one bias (or None) for each")
     if any((b is None) != (biases[0] is None) for b in biases):
         raise ValueError("grouped_linear: give a bias for every weight or for none")
+    _check(x, weights, biases)
     return torch.ops.hf_blockdiff.grouped_linear(x.contiguous(), list(weights), list(biases))
 
 
 def gated_linear(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """x [rows, K], gate and up [N, K] → silu(x·gateᵀ)·(x·upᵀ) [rows, N]."""
-    _check(x, [gate, up])
+    _check(x, [gate, up], [None, None])
     if gate.shape != up.shape:
         raise ValueError(f"gate and up must have one shape, got {list(gate.shape)} and {list(up.shape)}")
     return torch.ops.hf_blockdiff.gated_linear(x.contiguous(), gate, up)
@@ -98,9 +101,10 @@ if TRITON_AVAILABLE:
             return round_bf16(x)
         return x.to(dtype).to(tl.float32)
 
-    # no variant per row count (none first compiled while a CUDA graph is captured); x is made 16-byte aligned in
-    # `_launch`, so its alignment specialization never changes either (left unspecialized, its loads made a batch-1
-    # step 25 % slower on an H200)
+    # variants follow only the tile sizes (BLOCK_M 16/32/64), not every row count, and every capacity runs once
+    # before its CUDA graph is captured, so none compiles mid-capture; x is made 16-byte aligned in `_launch`, so its
+    # alignment specialization never changes either (left unspecialized, its loads made a batch-1 step 25 % slower
+    # on an H200)
     @triton.jit(do_not_specialize=["rows"])
     def _skinny_kernel(x_ptr, w0, w1, w2, b0, b1, b2, y0, y1, y2, n0, n1, n2, rows, K,
                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,

@@ -20,10 +20,12 @@ def _tensors(device, dtype, rows, width, outs, seed):
 @pytest.mark.parametrize("rows", [1, 5, 16, 33, MAX_ROWS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_grouped_linear_matches_fp64(device, poisoned, rows, dtype, with_bias, assert_close):
-    """Three outputs of widths that are no multiple of a tile, rows padded inside the kernel."""
-    x, weights, biases = _tensors(device, dtype, rows, 300, (96, 40, 17), seed=rows)
-    biases = biases if with_bias else [None] * 3
+@pytest.mark.parametrize("count", [1, 3])
+def test_grouped_linear_matches_fp64(device, poisoned, rows, dtype, with_bias, count, assert_close):
+    """One or three outputs of widths that are no multiple of a tile, rows padded inside the kernel (one weight past
+    ONE_WEIGHT_MAX_ROWS: cuBLAS)."""
+    x, weights, biases = _tensors(device, dtype, rows, 300, (96, 40, 17)[:count], seed=rows)
+    biases = biases if with_bias else [None] * count
     outputs = grouped_linear(x, weights, biases)
     expected = grouped_linear_reference(x.double(), [w.double() for w in weights],
                                         [b if b is None else b.double() for b in biases])
@@ -32,14 +34,15 @@ def test_grouped_linear_matches_fp64(device, poisoned, rows, dtype, with_bias, a
         assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_linear_rounds_like_the_gated_mlp(device, poisoned, dtype, assert_close):
+@pytest.mark.parametrize("rows", [1, 16, 37, MAX_ROWS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gated_linear_rounds_like_the_gated_mlp(device, poisoned, rows, dtype, assert_close):
     """silu(x·gateᵀ)·(x·upᵀ) with each projection and the activation rounded to the dtype, as transformers rounds."""
-    x, (gate, up), _ = _tensors(device, dtype, 37, 520, (200, 200), seed=3)
+    x, (gate, up), _ = _tensors(device, dtype, rows, 520, (200, 200), seed=rows)
     out = gated_linear(x, gate, up)
     g, u = ((x.double() @ w.double().T).to(dtype) for w in (gate, up))
     expected = (F.silu(g.double()).to(dtype).double() * u.double()).to(dtype)
-    assert out.shape == (37, 200) and out.dtype == dtype
+    assert out.shape == (rows, 200) and out.dtype == dtype
     assert_close(out, expected, dtype)
     if dtype == torch.bfloat16:  # a projection rounds the other way where fp32 sums straddle a bf16 midpoint
         assert (out != gated_linear_reference(x, gate, up)).float().mean() < 0.05
@@ -62,6 +65,8 @@ def test_bad_shapes_are_refused():
         grouped_linear(x[None], [torch.randn(4, 8)], [None])
     with pytest.raises(ValueError, match="weights must be contiguous"):
         grouped_linear(x[:2], [torch.randn(4, 9)], [None])
+    with pytest.raises(ValueError, match=r"biases must be contiguous \[4\]"):
+        grouped_linear(x, [torch.randn(4, 8)], [torch.randn(8)[::2]])
     with pytest.raises(ValueError, match="one bias"):
         grouped_linear(x[:2], [torch.randn(4, 8)], [None, None])
     with pytest.raises(ValueError, match="gate and up must have one shape"):
