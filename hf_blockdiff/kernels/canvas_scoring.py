@@ -88,7 +88,7 @@ if TRITON_AVAILABLE:
     import triton.language as tl
 
     from .rng import row_key_tl, uniform_noise_tl
-    from .rounding import round_bf16 as _round_bf16
+    from .rounding import round_bf16
     from .scoring import _online_softmax_update
 
     @triton.jit
@@ -123,8 +123,8 @@ if TRITON_AVAILABLE:
             z = _processed(x_row, cols, V, temperature, cap, inverse_cap, SOFTCAP)
             m, s_vec, w_vec = _online_softmax_update(z, m, s_vec, w_vec)
             if ROUND_BF16:
-                rounded_max = tl.maximum(m_rounded, _round_bf16(tl.max(z, 0)))
-                s_rounded = s_rounded * tl.exp(m_rounded - rounded_max) + tl.exp(_round_bf16(z) - rounded_max)
+                rounded_max = tl.maximum(m_rounded, round_bf16(tl.max(z, 0)))
+                s_rounded = s_rounded * tl.exp(m_rounded - rounded_max) + tl.exp(round_bf16(z) - rounded_max)
                 m_rounded = rounded_max
             top_i = tl.where(z > top, cols, top_i)
             top = tl.maximum(top, z)
@@ -145,7 +145,7 @@ if TRITON_AVAILABLE:
             cols = start + lanes
             z = _processed(x_row, cols, V, temperature, cap, inverse_cap, SOFTCAP)
             if ROUND_BF16:
-                p = _round_bf16(tl.exp(_round_bf16(z) - m_rounded) / total)
+                p = round_bf16(tl.exp(round_bf16(z) - m_rounded) / total)
             else:
                 p = tl.exp(z - m_rounded) / total
             tl.store(p_row + cols, p.to(probs_ptr.dtype.element_ty), mask=cols < V)
