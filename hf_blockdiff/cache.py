@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from .kernels.rotary_write import rotary_write
+
 SCRATCH_PAGE = 0
 
 
@@ -164,22 +166,44 @@ class PagedBlockCache(Cache):
 
     # -- transformers.Cache API ---------------------------------------------------------------------------------
 
+    def _pools(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V page pools, allocated at its first write from K/V `like` [R, kv_heads, W, head_dim]."""
+        if self.keys[layer_idx] is None:
+            shape = (self.num_pages, self.page_size, like.shape[1], like.shape[3])
+            self.keys[layer_idx], self.values[layer_idx] = like.new_zeros(shape), like.new_zeros(shape)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def _read(self, layer_idx: int, plan: ForwardPlan, key_states, value_states):
+        """What the plan's backend reads: the dense key range when the plan has read slots (sdpa), else the given."""
+        if plan.read_slots is None:
+            return key_states, value_states
+        return self.dense(layer_idx, plan.read_slots)
+
     @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None):
         """Write the window's K/V where `cache_kwargs["plan"]` says; returns what its backend reads: the dense key
         range when the plan has read slots (sdpa), else the window's own K/V."""
         plan = cache_kwargs["plan"]
-        if self.keys[layer_idx] is None:
-            shape = (self.num_pages, self.page_size, key_states.shape[1], key_states.shape[3])
-            self.keys[layer_idx] = key_states.new_zeros(shape)
-            self.values[layer_idx] = value_states.new_zeros(shape)
-        for pool, states in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
+        for pool, states in zip(self._pools(layer_idx, key_states), (key_states, value_states)):
             flat = pool.view(-1, *pool.shape[2:])
             flat.index_copy_(0, plan.write_slots, states.transpose(1, 2).reshape(-1, *flat.shape[1:]))
-        if plan.read_slots is None:
-            return key_states, value_states
-        return self.dense(layer_idx, plan.read_slots)
+        return self._read(layer_idx, plan, key_states, value_states)
+
+    @torch.compiler.disable
+    def update_rotary(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                      plan: ForwardPlan, rotary: tuple):
+        """`update` for K/V as projected, before the q/k RMSNorms and the rotary embedding (`rotary`: cos, sin
+        [R, W, D], the norms' weights or None, eps), which `kernels.rotary_write` applies while writing; query, key and
+        value are [R, heads, W, D] views of [R, W, heads, D] projections. Returns the rotated queries and what the
+        backend reads (the dense key range, or None for backends that read the pools)."""
+        cos, sin, q_weight, k_weight, eps = rotary
+        key_pages, value_pages = self._pools(layer_idx, key)
+        rows, heads, width, dim = query.shape
+        rotated = rotary_write(*(t.transpose(1, 2).reshape(rows * width, -1, dim) for t in (query, key, value)),
+                               cos.reshape(-1, dim), sin.reshape(-1, dim), key_pages, value_pages, plan.write_slots,
+                               q_weight, k_weight, eps)
+        return (rotated.view(rows, width, heads, dim).transpose(1, 2), *self._read(layer_idx, plan, None, None))
 
     def dense(self, layer_idx: int, read_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `read_slots` as [R, kv_heads, Lk, head_dim]."""

@@ -1,12 +1,18 @@
 """Stock MLPs and attentions with skinny-GEMM projections (`generation/fused_layers.py`): which modules are taken,
 the same outputs as the stock forwards, and the decode loop's tokens unchanged when they run."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff import BlockDiffusionConfig, cache
+from hf_blockdiff.attention import resolve_backend
 from hf_blockdiff.generation import fused_layers
-from hf_blockdiff.generation.fused_layers import fused_attention_forward, fused_forwards, fused_mlp_forward
+from hf_blockdiff.generation.fusion import fully_fused, fusion_for
+from hf_blockdiff.generation.fused_layers import (
+    fused_attention_forward, fused_forwards, fused_mlp_forward, rotary_in_cache_attention_forward,
+)
 from hf_blockdiff.kernels import skinny_gemm
 
 from helpers import MASK, left_pad, random_prompts, tiny_model
@@ -29,6 +35,8 @@ def test_plain_projections_are_taken_and_wrapped_ones_left():
     mlp.forward = mlp.forward  # an instance forward, as accelerate's dispatch and offload hooks set
     assert _kinds(qwen3) == ["Qwen3Attention"]
     assert _kinds(tiny_model("llama", mlp_bias=True)) == []  # gated_linear takes no gate/up bias
+    attentions = fused_forwards(tiny_model("qwen3"), mlps=False)
+    assert sorted(type(m).__name__ for m, _ in attentions) == ["Qwen3Attention"] * 2
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # Qwen2: biased q/k/v, no q/k norms
@@ -42,35 +50,73 @@ def test_fused_forwards_equal_the_stock_ones(family, dtype, tokens):
     rotary = model.model.rotary_emb(hidden, positions)
     tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(fused_mlp_forward(layer.mlp, hidden), layer.mlp(hidden), **tolerance)
-    fused, _ = fused_attention_forward(layer.self_attn, hidden, rotary, None)
     stock, _ = layer.self_attn(hidden, rotary, None)
-    torch.testing.assert_close(fused, stock, **tolerance)
+    for forward in (fused_attention_forward, rotary_in_cache_attention_forward):  # the stock steps outside decoding
+        fused, _ = forward(layer.self_attn, hidden, rotary, None)
+        torch.testing.assert_close(fused, stock, **tolerance)
     assert fused.abs().max() > 0.1  # not a vanishing output that any kernel would match
 
 
-def test_decoding_runs_them_and_keeps_the_tokens(qwen3, monkeypatch):
-    """The Triton backend installs the fused forwards (denoising forwards of 12 tokens here: the Triton kernel);
-    tokens equal the sdpa backend's, which fuses nothing; the model's own forwards are back after the call."""
-    calls = {"grouped": 0, "gated": 0, "kernel": 0}
+def _counted(calls, name, kernel):
+    def run(*args, **kwargs):
+        calls[name] += 1
+        return kernel(*args, **kwargs)
+    return run
 
-    def counted(name, kernel):
-        def run(*args, **kwargs):
-            calls[name] += 1
-            return kernel(*args, **kwargs)
-        return run
 
-    monkeypatch.setattr(fused_layers, "grouped_linear", counted("grouped", fused_layers.grouped_linear))
-    monkeypatch.setattr(fused_layers, "gated_linear", counted("gated", fused_layers.gated_linear))
-    monkeypatch.setattr(skinny_gemm, "_launch", counted("kernel", skinny_gemm._launch))
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # Qwen2: no q/k norms, biased q/k/v
+def test_decoding_runs_them_and_keeps_the_tokens(family, monkeypatch):
+    """The Triton backend installs the fused forwards (denoising forwards of 12 tokens here: the Triton kernel), whose
+    q/k norms and rotary embedding run in the cache's write kernel; tokens equal the sdpa backend's, which fuses
+    nothing; the model's own forwards are back after the call."""
+    model = tiny_model(family)
+    calls = {"grouped": 0, "gated": 0, "kernel": 0, "rotary": 0}
+    monkeypatch.setattr(fused_layers, "grouped_linear", _counted(calls, "grouped", fused_layers.grouped_linear))
+    monkeypatch.setattr(fused_layers, "gated_linear", _counted(calls, "gated", fused_layers.gated_linear))
+    monkeypatch.setattr(skinny_gemm, "_launch", _counted(calls, "kernel", skinny_gemm._launch))
+    monkeypatch.setattr(cache, "rotary_write", _counted(calls, "rotary", cache.rotary_write))
     ids, mask = left_pad(random_prompts((9, 4, 6), seed=5))
     config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, threshold=0.6, eos_token_id=[],
                                   attention="block_causal", alignment="absolute")
-    plain, fused = (qwen3.generate_multi_block(ids, config.replace(attention_backend=backend), attention_mask=mask)
+    plain, fused = (model.generate_multi_block(ids, config.replace(attention_backend=backend), attention_mask=mask)
                     for backend in ("sdpa", "triton"))
     assert torch.equal(plain, fused)
     # the ops in every forward (the prefill's rows go to cuBLAS inside them), the Triton kernel in the denoising ones
     assert calls["gated"] > 0 and calls["grouped"] == 3 * calls["gated"] and calls["kernel"] >= 4 * 2 * 6
-    assert all("forward" not in vars(m) for m in qwen3.modules())
+    assert calls["rotary"] == calls["gated"]  # every attention's norms and rotary in the write kernel
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_many_tokens_keep_the_stock_mlps(monkeypatch):
+    """Denoising forwards of more tokens than the skinny kernel takes (3 rows of 2 blocks of 16): the attentions still
+    write through the rotary kernel, the MLPs run as they are (compiled, they fuse their activation)."""
+    model = tiny_model("qwen3")
+    calls = {"gated": 0, "rotary": 0}
+    monkeypatch.setattr(fused_layers, "gated_linear", _counted(calls, "gated", fused_layers.gated_linear))
+    monkeypatch.setattr(cache, "rotary_write", _counted(calls, "rotary", cache.rotary_write))
+    ids, mask = left_pad(random_prompts((9, 4, 6), seed=7))
+    config = BlockDiffusionConfig(mask_token_id=MASK, block_size=16, max_new_tokens=16, threshold=0.6,
+                                  eos_token_id=[], attention="block_causal", alignment="absolute")
+    plain, fused = (model.generate_multi_block(ids, config.replace(attention_backend=backend), attention_mask=mask)
+                    for backend in ("sdpa", "triton"))
+    assert torch.equal(plain, fused)
+    assert calls["gated"] == 0 and calls["rotary"] > 0
+
+
+def test_hooked_qk_norms_run_as_they_are(monkeypatch):
+    """A q/k norm that is not exactly transformers' stock one (here hooked) runs itself, before the stock write."""
+    model = tiny_model("qwen3")
+    seen = []
+    model.model.layers[1].self_attn.q_norm.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    monkeypatch.setattr(cache, "rotary_write", _counted(calls := {"rotary": 0}, "rotary", cache.rotary_write))
+    ids, mask = left_pad(random_prompts((9, 4), seed=2))
+    config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, threshold=0.6, eos_token_id=[],
+                                  attention="block_causal", alignment="absolute")
+    plain, fused = (model.generate_multi_block(ids, config.replace(attention_backend=backend), attention_mask=mask)
+                    for backend in ("sdpa", "triton"))
+    assert torch.equal(plain, fused)
+    forwards = calls["rotary"]  # layer 0 writes through the kernel, layer 1 runs its hooked norm in every forward
+    assert forwards > 0 and len(seen) == 2 * forwards  # the sdpa call's forwards, then the triton call's
 
 
 @pytest.mark.gpu
@@ -82,5 +128,21 @@ def test_cuda_graph_steps_keep_the_tokens_gpu(compile_, monkeypatch):
     config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=16, threshold=0.6,
                                   eos_token_id=[], attention="block_causal", alignment="absolute", compile=compile_)
     fused = model.generate_multi_block(ids.cuda(), config, attention_mask=mask.cuda())
-    monkeypatch.setattr("hf_blockdiff.generation.fusion.fused_forwards", lambda model: [])
+    monkeypatch.setattr("hf_blockdiff.generation.fusion.fused_forwards", lambda model, mlps=True: [])
     assert torch.equal(fused, model.generate_multi_block(ids.cuda(), config, attention_mask=mask.cuda()))
+
+
+def test_compile_is_off_by_default_where_every_layer_runs_fused():
+    """compile=None: no torch.compile where every decoder layer runs fused at few tokens beside fused norms (it would
+    only cost its first-call time, README "Cold start"); compiled with many tokens, layers left unfused, or a
+    backend that fuses no norms."""
+    cuda, config = torch.device("cuda"), BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8)
+    triton_backend, flash = resolve_backend("triton", cuda, 4, 64), SimpleNamespace(fuses_norms=False)
+    qwen3 = tiny_model("qwen3")
+    assert fully_fused(qwen3) and not fully_fused(tiny_model("llama"))  # Llama's attention is not fused
+    assert fusion_for(config, triton_backend, True, cuda, qwen3, 8) == "norms"  # 8 rows x 2 blocks x 4 = 64 tokens
+    assert fusion_for(config, triton_backend, True, cuda, qwen3, 9) == "compile"
+    assert fusion_for(config, triton_backend, True, cuda, tiny_model("llama"), 1) == "compile"
+    assert fusion_for(config, flash, True, cuda, qwen3, 1) == "compile"
+    assert fusion_for(config.replace(compile=True), triton_backend, True, cuda, qwen3, 1) == "compile"
+    assert fusion_for(config.replace(cfg_scale=1.0), triton_backend, True, cuda, qwen3, 8) == "compile"  # guided: x2

@@ -67,7 +67,7 @@ def test_bitsandbytes_turns_graphs_and_compile_off_with_one_log_line(caplog):
     backend = resolve_backend("triton", cuda, 4, 64)
     with caplog.at_level(logging.WARNING):
         assert not use_graphs(cfg, backend, cuda, model)
-        assert fusion_for(cfg, backend, True, cuda, model) != "compile"
+        assert fusion_for(cfg, backend, True, cuda, model, 64) != "compile"
     assert "CUDA graphs and torch.compile of the decoder layers are turned off" in caplog.text
     assert use_graphs(cfg, backend, cuda, tiny_model("qwen3"))  # the same settings without bitsandbytes
 
@@ -78,7 +78,7 @@ def test_int8_weights_keep_graphs_and_turn_compile_off_by_default(int8_model, ca
     backend = resolve_backend("triton", cuda, 4, 64)
     with caplog.at_level(logging.WARNING):
         assert use_graphs(cfg, backend, cuda, int8_model)
-        assert fusion_for(cfg, backend, True, cuda, int8_model) != "compile"
+        assert fusion_for(cfg, backend, True, cuda, int8_model, 64) != "compile"
     assert "Int8Tensor weights: torch.compile of the decoder layers is off by default" in caplog.text
-    assert fusion_for(cfg.replace(compile=True), backend, True, cuda, int8_model) == "compile"
-    assert fusion_for(cfg, backend, True, cuda, tiny_model("qwen3")) == "compile"
+    assert fusion_for(cfg.replace(compile=True), backend, True, cuda, int8_model, 64) == "compile"
+    assert fusion_for(cfg, backend, True, cuda, tiny_model("qwen3"), 64) == "compile"

@@ -49,8 +49,9 @@ class AttentionBackend:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedBlockCache,
                layer: int, plan: ForwardPlan, scaling: float | None, sliding: bool = False) -> torch.Tensor:
-        """[R, W, heads, head_dim] attention output of `query` [R, heads, W, head_dim]; `sliding`: the layer reads
-        keys from the plan's `q_start` on (sliding-window layers)."""
+        """[R, W, heads, head_dim] attention output of `query` [R, heads, W, head_dim]; `key`, `value`: what
+        `PagedBlockCache.update` returned (None after `update_rotary` where the plan has no read slots: backends that
+        read the pools); `sliding`: the layer reads keys from the plan's `q_start` on (sliding-window layers)."""
         raise NotImplementedError
 
 

@@ -96,7 +96,7 @@ class Engine:
         self.scheduler = Scheduler(cfg, slots, width, max_blocks, device)
         self.state = self.scheduler.state
         graphs = use_graphs(cfg, backend, device, model)
-        fusion = fusion_for(cfg, backend, graphs, device, model)
+        fusion = fusion_for(cfg, backend, graphs, device, model, slots)
         self.executor = ModelExecutor(model, cfg, backend, fusion, slots, width, device, pool_tokens,
                                       None if store is None else store.cache)
         self.decode_step = DecodeStep(self.scheduler, self.executor)

@@ -12,11 +12,10 @@ import torch
 from ..attention import AttentionBackend
 from ..cache import PagedBlockCache
 from ..config import BlockDiffusionConfig
-from ..kernels.skinny_gemm import MAX_ROWS
 from ..scheduler import ForwardLayout, ScoreRequest, Stored
 from ..scheduler.chunks import Chunks
 from ..scoring import SamplingParams, Scores, logit_salience, penalize_preceding, score_logits
-from .fusion import decoding_mode
+from .fusion import decoding_mode, few_tokens
 
 
 class ModelExecutor:
@@ -28,10 +27,9 @@ class ModelExecutor:
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         self.lm_head = model.get_output_embeddings()
         self.num_rows, self.guided = rows, cfg.cfg_scale > 0
-        # the skinny-GEMM projections where every denoising forward fits their kernel (the active blocks and a stored
-        # one per row): the ops take more rows through cuBLAS, but the MLP's activation would then run unfused
-        step_tokens = (2 if self.guided else 1) * rows * (cfg.max_active_blocks + 1) * cfg.block_size
-        self.skinny = fusion != "none" and step_tokens <= MAX_ROWS
+        # the gated MLPs as skinny-GEMM ops too where every denoising forward fits their kernel: the ops take more rows
+        # through cuBLAS, but the activation would then run unfused
+        self.skinny = fusion != "none" and few_tokens(cfg, rows)
         layers = model.config.get_text_config().num_hidden_layers
         self.cache = cache if cache is not None else PagedBlockCache(layers, cfg.page_size)
         self.cache.start(2 * rows if self.guided else rows, width, pool_tokens, device)

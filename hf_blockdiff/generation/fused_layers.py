@@ -6,7 +6,9 @@ for forwards of few tokens, where a decode step's time is reading the weights; c
   activation in one `gated_linear`, the down projection in a one-weight `grouped_linear`.
 - Qwen-style attention (`Qwen2Attention`, `Qwen3Attention`, `Qwen3MoeAttention`): q, k and v in one `grouped_linear`,
   then the stock steps as transformers writes them (the q/k RMSNorms where the class has them, rotary embedding, the
-  configured attention function, the output projection as the down projection).
+  configured attention function, the output projection as the down projection). Under hf_blockdiff's attention,
+  with stock q/k norms (or none), q and k go to the attention function as projected (`blockdiff_rotary`): the
+  cache's write kernel applies the norms and the rotary embedding (`kernels/rotary_write.py`).
 
 `fused_forwards(model)` picks modules of exactly these classes, with no hook of their own, whose projections are
 plain `nn.Linear` layers with contiguous plain weights in the model's dtype (no LoRA wrapper, no quantized,
@@ -20,14 +22,16 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaMLP, eager_attention_forward
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, apply_rotary_pos_emb
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention, Qwen3MoeMLP
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Qwen3RMSNorm, apply_rotary_pos_emb
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention, Qwen3MoeMLP, Qwen3MoeRMSNorm
 
+from ..attention import blockdiff_attention_forward
 from ..kernels import TRITON_AVAILABLE
 from ..kernels.skinny_gemm import gated_linear, grouped_linear
 
 GATED_MLPS = (LlamaMLP, Qwen2MLP, Qwen3MLP, Qwen3MoeMLP)
 QWEN_ATTENTIONS = (Qwen2Attention, Qwen3Attention, Qwen3MoeAttention)  # one forward (q/k norms optional)
+QK_NORMS = (Qwen3RMSNorm, Qwen3MoeRMSNorm)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -57,27 +61,54 @@ def fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return _project(self.down_proj, hidden.view(*x.shape[:-1], self.gate_proj.out_features))
 
 
-def fused_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
-                            **kwargs):
+def _rotates_in_cache(attention: torch.nn.Module) -> bool:
+    """Whether the attention's q/k steps are exactly what `kernels.rotary_write` applies: no q/k norms, or stock
+    RMSNorms over head_dim with one eps, no hooks."""
+    if not hasattr(attention, "q_norm"):
+        return True
+    norms = (attention.q_norm, attention.k_norm)
+    return (all(type(n) in QK_NORMS and _unhooked(n) and n.weight.shape == (attention.head_dim,) for n in norms)
+            and norms[0].variance_epsilon == norms[1].variance_epsilon)
+
+
+def _attention(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
+               rotary_in_cache: bool):
     if past_key_values is not None or kwargs.get("cache") is not None:
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
                                   **kwargs)
     input_shape = hidden_states.shape[:-1]
     projections = (self.q_proj, self.k_proj, self.v_proj)
     query, key, value = (
-        out.view(*input_shape, out.shape[-1] // self.head_dim, self.head_dim) for out in grouped_linear(
-            _flat(hidden_states), [p.weight for p in projections],
-            [p.bias for p in projections]))
-    if hasattr(self, "q_norm"):
-        query, key = self.q_norm(query), self.k_norm(key)
+        out.view(*input_shape, out.shape[-1] // self.head_dim, self.head_dim).transpose(1, 2)
+        for out in grouped_linear(_flat(hidden_states), [p.weight for p in projections],
+                                  [p.bias for p in projections]))
     cos, sin = position_embeddings
-    query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+    if rotary_in_cache and attention is blockdiff_attention_forward:  # the cache's write kernel norms and rotates
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon) if hasattr(self, "q_norm") \
+            else (None, None, 0.0)
+        kwargs["blockdiff_rotary"] = (cos, sin, *norms)
+    else:
+        if hasattr(self, "q_norm"):
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
     attended, weights = attention(
-        self, query, key, value.transpose(1, 2), attention_mask,
-        dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
-        sliding_window=self.sliding_window, **kwargs)
+        self, query, key, value, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+        scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
     return _project(self.o_proj, attended.reshape(*input_shape, -1).contiguous()), weights
+
+
+def fused_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+                            **kwargs):
+    """q/k/v in one launch, then the stock steps."""
+    return _attention(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs, False)
+
+
+def rotary_in_cache_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+                                      **kwargs):
+    """q/k/v in one launch; under hf_blockdiff's attention the q/k norms and the rotary embedding in the cache's
+    write kernel (for attentions `_rotates_in_cache` takes, decided before decoding patches any norm)."""
+    return _attention(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs, True)
 
 
 def _fusable(module: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -98,14 +129,16 @@ def _fusable(module: torch.nn.Module, dtype: torch.dtype) -> bool:
     return _unhooked(module) and all(_plain(p, dtype) for p in linears)
 
 
-def fused_forwards(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
-    """(module, forward) for every module to run fused while decoding (none without Triton)."""
+def fused_forwards(model: torch.nn.Module, mlps: bool = True) -> list[tuple[torch.nn.Module, object]]:
+    """(module, forward) for every module to run fused while decoding (none without Triton); `mlps`: the gated MLPs
+    too (with many tokens their ops run unfused, where the compiled stock MLP fuses its activation)."""
     dtype = model.dtype
     if not TRITON_AVAILABLE or dtype not in _DTYPES:
         return []
     forwards = []
     for module in model.modules():
-        if _fusable(module, dtype):
-            fused = fused_mlp_forward if type(module) in GATED_MLPS else fused_attention_forward
+        if _fusable(module, dtype) and (mlps or type(module) not in GATED_MLPS):
+            fused = (fused_mlp_forward if type(module) in GATED_MLPS else rotary_in_cache_attention_forward
+                     if _rotates_in_cache(module) else fused_attention_forward)
             forwards.append((module, fused.__get__(module)))
     return forwards

@@ -3,8 +3,9 @@
 `decoding_mode(model, fusion)` routes the model's attention through hf_blockdiff for the duration of a block and,
 with `fusion="norms"`, runs its stock RMSNorms as one Triton kernel each, with `fusion="compile"` its decoder layers
 through torch.compile (inductor fuses norms, rotary embedding and the gated MLP's activation; the cache write and the
-attention stay eager between the compiled pieces). With `skinny=True` (the executor's choice when its denoising
-forwards hold few tokens) the stock gated MLPs and Qwen attentions run their projections as skinny-GEMM ops
+attention stay eager between the compiled pieces). With either fusion the stock Qwen attentions run q/k/v as one
+op and their q/k norms and rotary embedding in the cache's write kernel, and with `skinny=True` (the executor's
+choice when its denoising forwards hold few tokens) the stock gated MLPs run as skinny-GEMM ops too
 (`fused_layers.py`). Everything is restored after, also when the block raises.
 """
 
@@ -18,6 +19,7 @@ import torch
 from ..attention import ATTENTION_NAME, AttentionBackend
 from ..config import BlockDiffusionConfig
 from ..kernels.rmsnorm import rms_norm
+from ..kernels.skinny_gemm import MAX_ROWS
 from ..quantization import compiles_well
 from .fused_layers import fused_forwards
 
@@ -25,14 +27,31 @@ from .fused_layers import fused_forwards
 STOCK_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm")
 
 
+def few_tokens(cfg: BlockDiffusionConfig, rows: int) -> bool:
+    """Whether every denoising forward (the active blocks and a stored one per row, doubled with guidance) fits the
+    skinny-GEMM kernel."""
+    return (2 if cfg.cfg_scale > 0 else 1) * rows * (cfg.max_active_blocks + 1) * cfg.block_size <= MAX_ROWS
+
+
+def fully_fused(model) -> bool:
+    """Whether every decoder layer's attention and MLP have fused forwards (`fused_layers.py`)."""
+    fused = {id(module) for module, _ in fused_forwards(model)}
+    layers = decoder_layers(model)
+    return bool(layers) and all(id(getattr(layer, name, None)) in fused for layer in layers
+                                for name in ("self_attn", "mlp"))
+
+
 def fusion_for(cfg: BlockDiffusionConfig, backend: AttentionBackend, graphs: bool, device: torch.device,
-               model) -> str:
-    """"compile" (config `compile`, by default on with CUDA graphs unless quantized to weights that compile badly:
-    bitsandbytes, torchao int8; tensor-parallel layers too: their collectives trace into the compiled layers,
-    docs/design.md, "Kernels and backends"), else "norms" beside a backend that fuses them, else "none"."""
+               model, rows: int) -> str:
+    """"compile" (config `compile`), else "norms" beside a backend that fuses them, else "none". `compile=None`
+    compiles with CUDA graphs, unless the weights compile badly (bitsandbytes, torchao int8) or every decoder layer
+    runs fused at few tokens beside fused norms, where compiling buys nothing but its first-call time (README "Cold
+    start"). Tensor-parallel layers compile too: their collectives trace into the compiled layers (docs/design.md,
+    "Kernels and backends")."""
     compile_ = cfg.compile
     if compile_ is None:
-        compile_ = graphs and device.type == "cuda" and compiles_well(model)
+        fused = backend.fuses_norms and fully_fused(model) and few_tokens(cfg, rows)
+        compile_ = graphs and device.type == "cuda" and not fused and compiles_well(model)
     return "compile" if compile_ else "norms" if backend.fuses_norms else "none"
 
 
@@ -69,7 +88,7 @@ def shape_policy(model) -> bool | None:
 def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = False):
     norms = [m for m in model.modules() if type(m).__name__ in STOCK_RMS_NORMS] if fusion == "norms" else []
     layers = decoder_layers(model) if fusion == "compile" else []
-    projections = fused_forwards(model) if skinny else []
+    projections = fused_forwards(model, mlps=skinny) if fusion != "none" else []
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME

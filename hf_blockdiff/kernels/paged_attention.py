@@ -12,6 +12,7 @@ import math
 import torch
 
 from . import TRITON_AVAILABLE, require_triton
+from .dependent_launch import dependent_launch
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, q_limit, scale, q_start=None):
@@ -115,6 +116,7 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
     splits = num_splits or _auto_splits(R * Hkv * m_tiles, rows, block_d, capacity, q.device)
     block_n, num_warps, num_stages = _key_tiles(block_m, row_bytes, splits)
     split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
+    overlap = dependent_launch(q.device)
     if splits > 1:
         part_o = torch.empty(splits, R, W, Hq, D, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(splits, R, W, Hq, 2, device=q.device, dtype=torch.float32)
@@ -128,13 +130,14 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
         page_table.stride(0), q_limit.stride(0), q_limit.stride(1),
         W, Hkv, split_len, scale * math.log2(math.e),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=splits > 1, DOT_PRECISION=_dot_precision(q), HAS_START=q_start is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        SPLIT=splits > 1, DOT_PRECISION=_dot_precision(q), HAS_START=q_start is not None, GDC=overlap,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=overlap,
     )
     if splits > 1:
         _merge_splits_kernel[(R * W * Hq,)](
             part_o, part_ml, out, R * W * Hq,
-            HEAD_DIM=D, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            HEAD_DIM=D, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), GDC=overlap,
+            launch_pdl=overlap,
         )
     return out
 
@@ -142,6 +145,8 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
+
+    from .dependent_launch import follow_previous
 
     @triton.jit
     def _dot(a, b, acc, PRECISION: tl.constexpr):
@@ -160,9 +165,10 @@ if TRITON_AVAILABLE:
         W, Hkv, split_len, qk_scale,
         GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        HAS_START: tl.constexpr,
+        HAS_START: tl.constexpr, GDC: tl.constexpr,
     ):
         # Tile rows are (query, head-in-group) pairs, m = w * GROUP + g, all sharing KV head hkv.
+        follow_previous(GDC)
         pid_m, pid_rh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         r, hkv = pid_rh // Hkv, pid_rh % Hkv
         Hq = Hkv * GROUP
@@ -233,7 +239,9 @@ if TRITON_AVAILABLE:
     def _merge_splits_kernel(
         part_o_ptr, part_ml_ptr, out_ptr, rows,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+        GDC: tl.constexpr,
     ):
+        follow_previous(GDC)
         row = tl.program_id(0).to(tl.int64)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import TRITON_AVAILABLE, require_triton
+from .dependent_launch import dependent_launch
 
 MAX_ROWS = 64
 ONE_WEIGHT_MAX_ROWS = 16  # one weight alone beats cuBLAS only up to here (H200: at 32 rows its down projection wins)
@@ -82,6 +83,7 @@ if TRITON_AVAILABLE:
     import triton.language as tl
     from torch.library import custom_op
 
+    from .dependent_launch import allow_dependents, wait_inputs
     from .rounding import round_bf16
 
     # Triton's CPU interpreter multiplies bf16 tiles as raw bits: there the tiles go to fp32 first (bf16 products are
@@ -105,11 +107,16 @@ if TRITON_AVAILABLE:
     # before its CUDA graph is captured, so none compiles mid-capture; x is made 16-byte aligned in `_launch`, so its
     # alignment specialization never changes either (left unspecialized, its loads made a batch-1 step 25 % slower
     # on an H200)
+    @triton.jit
+    def _x_tile(x_ptr, rm, ks, rows, K):
+        return tl.load(x_ptr + rm[:, None] * K + ks[None, :], mask=(rm[:, None] < rows) & (ks[None, :] < K), other=0.0)
+
     @triton.jit(do_not_specialize=["rows"])
     def _skinny_kernel(x_ptr, w0, w1, w2, b0, b1, b2, y0, y1, y2, n0, n1, n2, rows, K,
-                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # program → (weight, column tile); GATED: every program reads the same columns of w0 (gate) and w1 (up)
+        allow_dependents(GDC)
         pid = tl.program_id(0)
         tiles0 = tl.cdiv(n0, BLOCK_N)
         tiles1 = tl.cdiv(n1, BLOCK_N)
@@ -134,17 +141,26 @@ if TRITON_AVAILABLE:
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        w_offsets = cols[:, None].to(tl.int64) * K + rk[None, :]
+        w_mask = (cols[:, None] < n) & (rk[None, :] < K)
+        # the first weight tiles are read before waiting for x (the previous kernel's output)
+        w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
+        u = w
+        if GATED:
+            u = tl.load(w1 + w_offsets, mask=w_mask, other=0.0)
+        wait_inputs(GDC)
+        x = _x_tile(x_ptr, rm, rk, rows, K)
+        acc = _dot(x, w, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE)
+        acc_up = acc
+        if GATED:
+            acc_up = _dot(x, u, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             ks = k0 + rk
-            x = tl.load(x_ptr + rm[:, None] * K + ks[None, :], mask=(rm[:, None] < rows) & (ks[None, :] < K),
-                        other=0.0)
+            x = _x_tile(x_ptr, rm, ks, rows, K)
             w_mask = (cols[:, None] < n) & (ks[None, :] < K)
-            w_offsets = cols[:, None].to(tl.int64) * K + ks[None, :]
-            acc = _dot(x, tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0), acc, IEEE)
+            acc = _dot(x, tl.load(w_ptr + w_offsets + k0, mask=w_mask, other=0.0), acc, IEEE)
             if GATED:
-                acc_up = _dot(x, tl.load(w1 + w_offsets, mask=w_mask, other=0.0), acc_up, IEEE)
+                acc_up = _dot(x, tl.load(w1 + w_offsets + k0, mask=w_mask, other=0.0), acc_up, IEEE)
         dtype = y_ptr.dtype.element_ty
         if GATED:
             gate = _rounded(acc, dtype)
@@ -165,10 +181,11 @@ if TRITON_AVAILABLE:
         block_m = max(16, triton.next_power_of_2(rows))
         block_n, block_k, stages = _tiles(sum(widths), width, gated, block_m)
         programs = triton.cdiv(widths[0], block_n) if gated else sum(triton.cdiv(n, block_n) for n in widths)
+        overlap = dependent_launch(x.device)
         _skinny_kernel[(programs,)](
             x, *_three(weights), *_three(biases if has_bias else weights), *_three(outputs), *widths, rows, width,
-            HAS_BIAS=has_bias, GATED=gated, IEEE=x.dtype == torch.float32 or _INTERPRETED, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages,
+            HAS_BIAS=has_bias, GATED=gated, IEEE=x.dtype == torch.float32 or _INTERPRETED, GDC=overlap,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages, launch_pdl=overlap,
         )
 
     def _three(tensors: list) -> list:

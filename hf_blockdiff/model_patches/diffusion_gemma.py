@@ -110,7 +110,7 @@ def generate_multi_block(self, input_ids: torch.LongTensor, config: BlockDiffusi
     stops = () if stops is None else (stops,) if isinstance(stops, int) else tuple(stops)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(generation, "pad_token_id", None)
     run = CanvasRun(cfg.max_new_tokens, stops, pad, cfg.noise, graphs,
-                    fusion_for(cfg, backend, graphs, device, self), cfg.page_size)
+                    fusion_for(cfg, backend, graphs, device, self, len(prompts)), cfg.page_size)
     seeds = request_seeds(len(prompts), generator).to(device) if cfg.noise == "counter" else None
     stream = CanvasStream(streamer, input_ids, stops) if streamer is not None else None
     was_training = self.training

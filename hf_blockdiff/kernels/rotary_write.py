@@ -1,0 +1,155 @@
+"""Rotary write: what a Qwen-style attention does between its q/k/v projections and attending, in one launch.
+
+rotary_write(query, key, value, cos, sin, key_pages, value_pages, slots, q_weight, k_weight, eps) applies the q/k
+RMSNorms over each head (when weights are given), then the rotary embedding (rotate-half layout), to the projected
+queries and keys; it writes each token's keys and values into the page pools at its flat slot and returns the
+queries. transformers runs this as the norms' eight elementwise steps per tensor, the rotary's five, a transpose copy
+and an `index_copy` for each of K and V (or, compiled, one or two fused kernels and the four eager copies).
+
+Rounded as transformers rounds: the normalized value to the dtype before the weight multiply, then the weighted
+value, each rotary product and their sum (bf16 by bit arithmetic, so TRITON_INTERPRET rounds as GPUs do). The mean's
+summation order differs from torch's, so outputs agree to rounding, not bit for bit.
+
+Shapes: query [T, Hq, D], key and value [T, Hkv, D] (heads and dims contiguous), cos and sin [T, D], pools
+[num_pages, page_size, Hkv, D], slots [T] (flat pool slot of each token; padding tokens share a scratch slot).
+"""
+
+import torch
+
+from . import TRITON_AVAILABLE, require_triton
+from .dependent_launch import dependent_launch
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def rotary_write_reference(query, key, value, cos, sin, key_pages, value_pages, slots, q_weight=None, k_weight=None,
+                           eps=1e-6) -> torch.Tensor:
+    """transformers' Qwen3 attention steps (RMSNorm over head_dim, `apply_rotary_pos_emb`) and the cache's write."""
+    if q_weight is not None:
+        query, key = _rms_norm(query, q_weight, eps), _rms_norm(key, k_weight, eps)
+    cos, sin = cos[:, None], sin[:, None]
+    key_pages.view(-1, *key_pages.shape[2:]).index_copy_(0, slots, _rotate(key, cos, sin))
+    value_pages.view(-1, *value_pages.shape[2:]).index_copy_(0, slots, value)
+    return _rotate(query, cos, sin)
+
+
+def _check(query, key, value, cos, key_pages, slots) -> None:
+    tokens, _, dim = query.shape
+    if key.shape != value.shape or key.shape[0] != tokens or key.shape[2] != dim or dim % 2:
+        raise ValueError(f"query [T, Hq, D] and key, value [T, Hkv, D] with an even D, got {list(query.shape)}, "
+                         f"{list(key.shape)}, {list(value.shape)}")
+    if cos.shape != (tokens, dim) or slots.shape != (tokens,):
+        raise ValueError(f"cos and sin must be [{tokens}, {dim}] and slots [{tokens}], got {list(cos.shape)} and "
+                         f"{list(slots.shape)}")
+    if key_pages.shape[2:] != key.shape[1:] or not key_pages.is_contiguous():
+        raise ValueError(f"the page pools must be contiguous [pages, page_size, {key.shape[1]}, {dim}], got "
+                         f"{list(key_pages.shape)}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.stride(2) != 1 or t.stride(1) != dim:
+            raise ValueError(f"{name}'s heads and dims must be contiguous (strides [*, {dim}, 1]), got {t.stride()}")
+
+
+def rotary_write(query, key, value, cos, sin, key_pages, value_pages, slots, q_weight=None, k_weight=None,
+                 eps=1e-6) -> torch.Tensor:
+    """The Triton kernel of `rotary_write_reference`: returns the queries [T, Hq, D], contiguous."""
+    require_triton("rotary_write")
+    _check(query, key, value, cos, key_pages, slots)
+    tokens, q_heads, dim = query.shape
+    kv_heads = key.shape[1]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if tokens == 0:
+        return out
+    cos, sin = cos.contiguous(), sin.contiguous()
+    heads = min(8, triton.next_power_of_2(max(q_heads, kv_heads)))
+    q_groups = triton.cdiv(q_heads, heads)
+    normed = q_weight is not None
+    rounding = {torch.bfloat16: 1, torch.float16: 2}.get(query.dtype, 0)
+    overlap = dependent_launch(query.device)
+    _rotary_write_kernel[(tokens, q_groups + triton.cdiv(kv_heads, heads))](
+        query, key, value, cos, sin, q_weight if normed else cos, k_weight if normed else cos, out, key_pages,
+        value_pages, slots, query.stride(0), key.stride(0), value.stride(0), q_heads, kv_heads, q_groups, eps,
+        DIM=dim, HALF=triton.next_power_of_2(dim // 2), HEADS=heads, NORMED=normed, ROUNDING=rounding, GDC=overlap,
+        num_warps=4, launch_pdl=overlap,
+    )
+    return out
+
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    from .dependent_launch import follow_previous
+    from .rounding import round_bf16
+
+    @triton.jit
+    def _round(x, ROUNDING: tl.constexpr):
+        """fp32 x rounded to the tensors' dtype (0: fp32, 1: bf16, 2: fp16), as float32."""
+        if ROUNDING == 1:
+            return round_bf16(x)
+        elif ROUNDING == 2:
+            return x.to(tl.float16).to(tl.float32)
+        else:
+            return x
+
+    @triton.jit
+    def _normed_rotated(x_ptr, w_ptr, cos_ptr, sin_ptr, heads, cols, inside, eps, DIM: tl.constexpr,
+                        NORMED: tl.constexpr, ROUNDING: tl.constexpr):
+        """[HEADS, HALF] low and high halves of the heads at x_ptr, normed and rotated (float32, rounded)."""
+        half = DIM // 2
+        lo = tl.load(x_ptr + heads[:, None] * DIM + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + heads[:, None] * DIM + half + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        if NORMED:
+            inv = 1.0 / tl.sqrt_rn((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / DIM + eps)
+            w_lo = tl.load(w_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
+            w_hi = tl.load(w_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)
+            lo = _round(w_lo[None, :] * _round(lo * inv[:, None], ROUNDING), ROUNDING)
+            hi = _round(w_hi[None, :] * _round(hi * inv[:, None], ROUNDING), ROUNDING)
+        cos_lo = tl.load(cos_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+        cos_hi = tl.load(cos_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+        sin_lo = tl.load(sin_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+        sin_hi = tl.load(sin_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+        out_lo = _round(_round(lo * cos_lo, ROUNDING) - _round(hi * sin_lo, ROUNDING), ROUNDING)
+        out_hi = _round(_round(hi * cos_hi, ROUNDING) + _round(lo * sin_hi, ROUNDING), ROUNDING)
+        return out_lo, out_hi
+
+    @triton.jit
+    def _rotary_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, out_ptr, kpool_ptr, vpool_ptr,
+                             slots_ptr, q_stride, k_stride, v_stride, q_heads, kv_heads, q_groups, eps,
+                             DIM: tl.constexpr, HALF: tl.constexpr, HEADS: tl.constexpr, NORMED: tl.constexpr,
+                             ROUNDING: tl.constexpr, GDC: tl.constexpr):
+        """Program (t, g): head group g of token t, a group of query heads (g < q_groups) or of key/value heads."""
+        follow_previous(GDC)
+        token = tl.program_id(0).to(tl.int64)
+        group = tl.program_id(1)
+        cols = tl.arange(0, HALF)
+        cos_ptr += token * DIM
+        sin_ptr += token * DIM
+        if group < q_groups:
+            heads = group * HEADS + tl.arange(0, HEADS)
+            inside = (heads[:, None] < q_heads) & (cols[None, :] < DIM // 2)
+            lo, hi = _normed_rotated(q_ptr + token * q_stride, qw_ptr, cos_ptr, sin_ptr, heads, cols, inside, eps,
+                                     DIM, NORMED, ROUNDING)
+            target = out_ptr + token * q_heads * DIM
+        else:
+            heads = (group - q_groups) * HEADS + tl.arange(0, HEADS)
+            inside = (heads[:, None] < kv_heads) & (cols[None, :] < DIM // 2)
+            lo, hi = _normed_rotated(k_ptr + token * k_stride, kw_ptr, cos_ptr, sin_ptr, heads, cols, inside, eps,
+                                     DIM, NORMED, ROUNDING)
+            slot = tl.load(slots_ptr + token).to(tl.int64) * kv_heads * DIM
+            offsets = heads[:, None] * DIM + cols[None, :]
+            for half in tl.static_range(2):
+                v = tl.load(v_ptr + token * v_stride + offsets + half * (DIM // 2), mask=inside)
+                tl.store(vpool_ptr + slot + offsets + half * (DIM // 2), v, mask=inside)
+            target = kpool_ptr + slot
+        offsets = heads[:, None] * DIM + cols[None, :]
+        tl.store(target + offsets, lo.to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(target + offsets + DIM // 2, hi.to(out_ptr.dtype.element_ty), mask=inside)
