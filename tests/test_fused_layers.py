@@ -11,7 +11,8 @@ from hf_blockdiff.attention import resolve_backend
 from hf_blockdiff.generation import fused_layers
 from hf_blockdiff.generation.fusion import fully_fused, fusion_for
 from hf_blockdiff.generation.fused_layers import (
-    fused_attention_forward, fused_forwards, fused_mlp_forward, rotary_in_cache_attention_forward,
+    fused_attention_forward, fused_forwards, fused_layer_forward, fused_mlp_forward,
+    rotary_in_cache_attention_forward,
 )
 from hf_blockdiff.kernels import skinny_gemm
 
@@ -20,8 +21,12 @@ from helpers import MASK, left_pad, random_prompts, tiny_model
 pytest.importorskip("triton")
 
 
+def _kinds_of(forwards):
+    return sorted(type(module).__name__ for module, _ in forwards)
+
+
 def _kinds(model):
-    return sorted(type(module).__name__ for module, _ in fused_forwards(model))
+    return _kinds_of(fused_forwards(model))
 
 
 def test_plain_projections_are_taken_and_wrapped_ones_left():
@@ -36,7 +41,12 @@ def test_plain_projections_are_taken_and_wrapped_ones_left():
     assert _kinds(qwen3) == ["Qwen3Attention"]
     assert _kinds(tiny_model("llama", mlp_bias=True)) == []  # gated_linear takes no gate/up bias
     attentions = fused_forwards(tiny_model("qwen3"), mlps=False)
-    assert sorted(type(m).__name__ for m, _ in attentions) == ["Qwen3Attention"] * 2
+    assert _kinds_of(attentions) == ["Qwen3Attention"] * 2
+    with_layers = _kinds_of(fused_forwards(tiny_model("qwen3"), layers=True))
+    assert with_layers == ["Qwen3Attention"] * 2 + ["Qwen3DecoderLayer"] * 2 + ["Qwen3MLP"] * 2
+    hooked = tiny_model("qwen3")
+    hooked.model.layers[0].post_attention_layernorm.register_forward_hook(lambda *args: None)
+    assert _kinds_of(fused_forwards(hooked, layers=True)).count("Qwen3DecoderLayer") == 1  # its norm runs itself
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # Qwen2: biased q/k/v, no q/k norms
@@ -54,6 +64,9 @@ def test_fused_forwards_equal_the_stock_ones(family, dtype, tokens):
     for forward in (fused_attention_forward, rotary_in_cache_attention_forward):  # the stock steps outside decoding
         fused, _ = forward(layer.self_attn, hidden, rotary, None)
         torch.testing.assert_close(fused, stock, **tolerance)
+    stock_layer = layer(hidden, position_embeddings=rotary).float()  # the MLP output reaches ~300 here: 1 bf16 ulp
+    error = (fused_layer_forward(layer, hidden, position_embeddings=rotary).float() - stock_layer).norm()
+    assert error / stock_layer.norm() < (1e-5 if dtype == torch.float32 else 1e-2)  # of a norm propagates to 2.0
     assert fused.abs().max() > 0.1  # not a vanishing output that any kernel would match
 
 
@@ -70,9 +83,10 @@ def test_decoding_runs_them_and_keeps_the_tokens(family, monkeypatch):
     q/k norms and rotary embedding run in the cache's write kernel; tokens equal the sdpa backend's, which fuses
     nothing; the model's own forwards are back after the call."""
     model = tiny_model(family)
-    calls = {"grouped": 0, "gated": 0, "kernel": 0, "rotary": 0}
-    monkeypatch.setattr(fused_layers, "grouped_linear", _counted(calls, "grouped", fused_layers.grouped_linear))
-    monkeypatch.setattr(fused_layers, "gated_linear", _counted(calls, "gated", fused_layers.gated_linear))
+    calls = {"grouped": 0, "gated": 0, "kernel": 0, "rotary": 0, "residual": 0, "add_norm": 0}
+    for name, op in (("grouped", "grouped_linear"), ("gated", "gated_linear"), ("residual", "linear_residual"),
+                     ("add_norm", "add_rms_norm")):
+        monkeypatch.setattr(fused_layers, op, _counted(calls, name, getattr(fused_layers, op)))
     monkeypatch.setattr(skinny_gemm, "_launch", _counted(calls, "kernel", skinny_gemm._launch))
     monkeypatch.setattr(cache, "rotary_write", _counted(calls, "rotary", cache.rotary_write))
     ids, mask = left_pad(random_prompts((9, 4, 6), seed=5))
@@ -81,9 +95,10 @@ def test_decoding_runs_them_and_keeps_the_tokens(family, monkeypatch):
     plain, fused = (model.generate_multi_block(ids, config.replace(attention_backend=backend), attention_mask=mask)
                     for backend in ("sdpa", "triton"))
     assert torch.equal(plain, fused)
-    # the ops in every forward (the prefill's rows go to cuBLAS inside them), the Triton kernel in the denoising ones
-    assert calls["gated"] > 0 and calls["grouped"] == 3 * calls["gated"] and calls["kernel"] >= 4 * 2 * 6
-    assert calls["rotary"] == calls["gated"]  # every attention's norms and rotary in the write kernel
+    # the ops in every forward (the prefill's rows go to cuBLAS inside them), the Triton kernel in the denoising ones;
+    # the decoder layers (not compiled: fusion "norms") add their residuals in the down projection and the norm
+    assert calls["gated"] > 0 and calls["grouped"] == 2 * calls["gated"] and calls["kernel"] >= 4 * 2 * 6
+    assert calls["rotary"] == calls["residual"] == calls["add_norm"] == calls["gated"]
     assert all("forward" not in vars(m) for m in model.modules())
 
 
@@ -128,7 +143,7 @@ def test_cuda_graph_steps_keep_the_tokens_gpu(compile_, monkeypatch):
     config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=16, threshold=0.6,
                                   eos_token_id=[], attention="block_causal", alignment="absolute", compile=compile_)
     fused = model.generate_multi_block(ids.cuda(), config, attention_mask=mask.cuda())
-    monkeypatch.setattr("hf_blockdiff.generation.fusion.fused_forwards", lambda model, mlps=True: [])
+    monkeypatch.setattr("hf_blockdiff.generation.fusion.fused_forwards", lambda model, **kinds: [])
     assert torch.equal(fused, model.generate_multi_block(ids.cuda(), config, attention_mask=mask.cuda()))
 
 

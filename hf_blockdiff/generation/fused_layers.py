@@ -20,18 +20,25 @@ from __future__ import annotations
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaMLP, eager_attention_forward
-from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Qwen3RMSNorm, apply_rotary_pos_emb
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention, Qwen3MoeMLP, Qwen3MoeRMSNorm
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm, eager_attention_forward
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2MLP, Qwen2RMSNorm
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention, Qwen3DecoderLayer, Qwen3MLP, Qwen3RMSNorm, apply_rotary_pos_emb,
+)
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeAttention, Qwen3MoeDecoderLayer, Qwen3MoeMLP, Qwen3MoeRMSNorm,
+)
 
 from ..attention import blockdiff_attention_forward
 from ..kernels import TRITON_AVAILABLE
-from ..kernels.skinny_gemm import gated_linear, grouped_linear
+from ..kernels.rmsnorm import add_rms_norm
+from ..kernels.skinny_gemm import gated_linear, grouped_linear, linear_residual
 
 GATED_MLPS = (LlamaMLP, Qwen2MLP, Qwen3MLP, Qwen3MoeMLP)
 QWEN_ATTENTIONS = (Qwen2Attention, Qwen3Attention, Qwen3MoeAttention)  # one forward (q/k norms optional)
 QK_NORMS = (Qwen3RMSNorm, Qwen3MoeRMSNorm)
+RMS_NORMS = (LlamaRMSNorm, Qwen2RMSNorm, *QK_NORMS)  # forward: kernels.rmsnorm.rms_norm_reference
+DECODER_LAYERS = (LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, Qwen3MoeDecoderLayer)  # one forward
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -56,9 +63,28 @@ def _project(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], linear.out_features)
 
 
-def fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+def fused_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The gated MLP; `residual`: added in the down projection's launch (`fused_layer_forward`)."""
     hidden = gated_linear(_flat(x), self.gate_proj.weight, self.up_proj.weight)
-    return _project(self.down_proj, hidden.view(*x.shape[:-1], self.gate_proj.out_features))
+    if residual is None:
+        return _project(self.down_proj, hidden.view(*x.shape[:-1], self.gate_proj.out_features))
+    down = self.down_proj
+    return linear_residual(hidden, down.weight, down.bias, _flat(residual)).view(residual.shape)
+
+
+def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                        use_cache=False, position_embeddings=None, **kwargs):
+    """transformers' decoder layer with its residual adds in other launches: after the attention in the
+    post-attention RMSNorm's (`add_rms_norm`), after the MLP in the down projection's (`linear_residual`)."""
+    if past_key_values is not None:
+        return type(self).forward(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+                                  position_embeddings, **kwargs)
+    attended, _ = self.self_attn(
+        hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=None, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    norm = self.post_attention_layernorm
+    residual, normed = add_rms_norm(hidden_states, attended, norm.weight, norm.variance_epsilon)
+    return fused_mlp_forward(self.mlp, normed, residual)
 
 
 def _rotates_in_cache(attention: torch.nn.Module) -> bool:
@@ -129,15 +155,27 @@ def _fusable(module: torch.nn.Module, dtype: torch.dtype) -> bool:
     return _unhooked(module) and all(_plain(p, dtype) for p in linears)
 
 
-def fused_forwards(model: torch.nn.Module, mlps: bool = True) -> list[tuple[torch.nn.Module, object]]:
+def _fusable_layer(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Exactly a listed decoder layer, unhooked, with stock norms, a fused attention and a fused gated MLP."""
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    return (type(layer) in DECODER_LAYERS and _unhooked(layer) and all(type(n) in RMS_NORMS and _unhooked(n)
+                                                                        for n in norms)
+            and type(layer.mlp) in GATED_MLPS and _fusable(layer.mlp, dtype) and _fusable(layer.self_attn, dtype))
+
+
+def fused_forwards(model: torch.nn.Module, mlps: bool = True, layers: bool = False) -> list[tuple[torch.nn.Module,
+                                                                                                     object]]:
     """(module, forward) for every module to run fused while decoding (none without Triton); `mlps`: the gated MLPs
-    too (with many tokens their ops run unfused, where the compiled stock MLP fuses its activation)."""
+    too (with many tokens their ops run unfused, where the compiled stock MLP fuses its activation); `layers`: with
+    `mlps`, the decoder layers too (their residual adds fused; for layers that are not compiled)."""
     dtype = model.dtype
     if not TRITON_AVAILABLE or dtype not in _DTYPES:
         return []
     forwards = []
     for module in model.modules():
-        if _fusable(module, dtype) and (mlps or type(module) not in GATED_MLPS):
+        if mlps and layers and _fusable_layer(module, dtype):
+            forwards.append((module, fused_layer_forward.__get__(module)))
+        elif _fusable(module, dtype) and (mlps or type(module) not in GATED_MLPS):
             fused = (fused_mlp_forward if type(module) in GATED_MLPS else rotary_in_cache_attention_forward
                      if _rotates_in_cache(module) else fused_attention_forward)
             forwards.append((module, fused.__get__(module)))

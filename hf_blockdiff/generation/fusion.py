@@ -88,7 +88,7 @@ def shape_policy(model) -> bool | None:
 def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = False):
     norms = [m for m in model.modules() if type(m).__name__ in STOCK_RMS_NORMS] if fusion == "norms" else []
     layers = decoder_layers(model) if fusion == "compile" else []
-    projections = fused_forwards(model, mlps=skinny) if fusion != "none" else []
+    projections = fused_forwards(model, mlps=skinny, layers=fusion == "norms") if fusion != "none" else []
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME

@@ -5,9 +5,11 @@ grouped_linear(x, weights, biases) = [x·Wᵢᵀ + bᵢ for each i] in one launc
 cuBLAS runs as three kernels, the small k and v ones at a third of the memory bandwidth).
 gated_linear(x, gate, up) = silu(x·Wgᵀ)·(x·Wuᵀ), rounded as transformers' gated MLP rounds it: each projection to
 x's dtype, the activation to x's dtype, then the product (one launch instead of two GEMMs and an elementwise kernel).
+linear_residual(x, weight, bias, residual) = residual + x·Wᵀ + b, the projection rounded before the add as torch
+rounds it (a decoder layer's down projection and the residual add after it).
 
 The Triton kernel runs up to `MAX_ROWS` rows of x (`ONE_WEIGHT_MAX_ROWS` for a single weight); more rows go to
-cuBLAS (`torch.nn.functional.linear`) inside the same op. Both are torch custom ops (`torch.library.custom_op`, shapes
+cuBLAS (`torch.nn.functional.linear`) inside the same op. All are torch custom ops (`torch.library.custom_op`, shapes
 from a fake implementation): a torch.compile'd layer calls them as opaque kernels, so the choice by row count makes
 no shape guard (a guard crossed first while a CUDA graph is captured would recompile inside the capture).
 
@@ -30,6 +32,11 @@ ONE_WEIGHT_MAX_ROWS = 16  # one weight alone beats cuBLAS only up to here (H200:
 
 def grouped_linear_reference(x: torch.Tensor, weights: list, biases: list) -> list:
     return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+
+
+def linear_residual_reference(x: torch.Tensor, weight: torch.Tensor, bias, residual: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x): a decoder layer's down projection and the residual add after it."""
+    return residual + F.linear(x, weight, bias)
 
 
 def gated_linear_reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -70,6 +77,16 @@ def grouped_linear(x: torch.Tensor, weights: list, biases: list) -> list:
     return torch.ops.hf_blockdiff.grouped_linear(x.contiguous(), list(weights), list(biases))
 
 
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias, residual: torch.Tensor) -> torch.Tensor:
+    """x [rows, K], weight [N, K], bias [N] or None, residual [rows, N] → residual + x·Wᵀ + b, each sum rounded to
+    x's dtype as torch rounds it (one launch instead of a projection and an add)."""
+    _check(x, [weight], [bias])
+    if residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype:
+        raise ValueError(f"residual must be [{x.shape[0]}, {weight.shape[0]}] in {x.dtype}, got "
+                         f"{list(residual.shape)} {residual.dtype}")
+    return torch.ops.hf_blockdiff.linear_residual(x.contiguous(), weight, bias, residual.contiguous())
+
+
 def gated_linear(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """x [rows, K], gate and up [N, K] → silu(x·gateᵀ)·(x·upᵀ) [rows, N]."""
     _check(x, [gate, up], [None, None])
@@ -103,6 +120,25 @@ if TRITON_AVAILABLE:
             return round_bf16(x)
         return x.to(dtype).to(tl.float32)
 
+    @triton.jit
+    def _store(acc, acc_up, b_ptr, r_ptr, y_ptr, cols, rm, rows, n, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+               HAS_RESIDUAL: tl.constexpr):
+        """The epilogue: SiLU·up (GATED) or + bias, rounded to y's dtype, then + residual, rounded again."""
+        dtype = y_ptr.dtype.element_ty
+        if GATED:
+            gate = _rounded(acc, dtype)
+            out = _rounded(gate / (1.0 + tl.exp(-gate)), dtype) * _rounded(acc_up, dtype)
+        else:
+            out = acc
+            if HAS_BIAS:
+                out += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+        y_mask = (rm[:, None] < rows) & (cols[None, :] < n)
+        out = _rounded(out, dtype)
+        if HAS_RESIDUAL:
+            residual = tl.load(r_ptr + rm[:, None] * n + cols[None, :], mask=y_mask, other=0.0)
+            out = _rounded(out + residual.to(tl.float32), dtype)
+        tl.store(y_ptr + rm[:, None] * n + cols[None, :], out.to(dtype), mask=y_mask)
+
     # variants follow only the tile sizes (BLOCK_M 16/32/64), not every row count, and every capacity runs once
     # before its CUDA graph is captured, so none compiles mid-capture; x is made 16-byte aligned in `_launch`, so its
     # alignment specialization never changes either (left unspecialized, its loads made a batch-1 step 25 % slower
@@ -112,8 +148,9 @@ if TRITON_AVAILABLE:
         return tl.load(x_ptr + rm[:, None] * K + ks[None, :], mask=(rm[:, None] < rows) & (ks[None, :] < K), other=0.0)
 
     @triton.jit(do_not_specialize=["rows"])
-    def _skinny_kernel(x_ptr, w0, w1, w2, b0, b1, b2, y0, y1, y2, n0, n1, n2, rows, K,
+    def _skinny_kernel(x_ptr, w0, w1, w2, b0, b1, b2, y0, y1, y2, r_ptr, n0, n1, n2, rows, K,
                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr,
+                       HAS_RESIDUAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # program → (weight, column tile); GATED: every program reads the same columns of w0 (gate) and w1 (up)
         allow_dependents(GDC)
@@ -161,18 +198,9 @@ if TRITON_AVAILABLE:
             acc = _dot(x, tl.load(w_ptr + w_offsets + k0, mask=w_mask, other=0.0), acc, IEEE)
             if GATED:
                 acc_up = _dot(x, tl.load(w1 + w_offsets + k0, mask=w_mask, other=0.0), acc_up, IEEE)
-        dtype = y_ptr.dtype.element_ty
-        if GATED:
-            gate = _rounded(acc, dtype)
-            out = _rounded(gate / (1.0 + tl.exp(-gate)), dtype) * _rounded(acc_up, dtype)
-        else:
-            out = acc
-            if HAS_BIAS:
-                out += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
-        y_mask = (rm[:, None] < rows) & (cols[None, :] < n)
-        tl.store(y_ptr + rm[:, None] * n + cols[None, :], _rounded(out, dtype).to(dtype), mask=y_mask)
+        _store(acc, acc_up, b_ptr, r_ptr, y_ptr, cols, rm, rows, n, HAS_BIAS, GATED, HAS_RESIDUAL)
 
-    def _launch(x, weights, biases, outputs, gated):
+    def _launch(x, weights, biases, outputs, gated, residual=None):
         if x.data_ptr() % 16:
             x = x.clone()
         rows, width = x.shape
@@ -183,8 +211,10 @@ if TRITON_AVAILABLE:
         programs = triton.cdiv(widths[0], block_n) if gated else sum(triton.cdiv(n, block_n) for n in widths)
         overlap = dependent_launch(x.device)
         _skinny_kernel[(programs,)](
-            x, *_three(weights), *_three(biases if has_bias else weights), *_three(outputs), *widths, rows, width,
+            x, *_three(weights), *_three(biases if has_bias else weights), *_three(outputs),
+            outputs[0] if residual is None else residual, *widths, rows, width,
             HAS_BIAS=has_bias, GATED=gated, IEEE=x.dtype == torch.float32 or _INTERPRETED, GDC=overlap,
+            HAS_RESIDUAL=residual is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages, launch_pdl=overlap,
         )
 
@@ -205,6 +235,19 @@ if TRITON_AVAILABLE:
     def _grouped_linear_shapes(x, weights, biases):
         """Shapes only: tracing never runs the kernel (nor Triton's CPU interpreter)."""
         return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+
+    @custom_op("hf_blockdiff::linear_residual", mutates_args=())
+    def _linear_residual_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            residual: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > ONE_WEIGHT_MAX_ROWS:
+            return linear_residual_reference(x, weight, bias, residual)
+        out = torch.empty_like(residual)
+        _launch(x, [weight], [bias], [out], gated=False, residual=residual)
+        return out
+
+    @_linear_residual_op.register_fake
+    def _linear_residual_shape(x, weight, bias, residual):
+        return torch.empty_like(residual)
 
     @custom_op("hf_blockdiff::gated_linear", mutates_args=())
     def _gated_linear_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

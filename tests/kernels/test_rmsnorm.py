@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hf_blockdiff.kernels.rmsnorm import rms_norm, rms_norm_reference
+from hf_blockdiff.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 
 pytest.importorskip("triton")
 
@@ -16,6 +16,20 @@ def test_rms_norm_matches_transformers(device, poisoned, shape, dtype, assert_cl
     expected = rms_norm_reference(x.double(), weight.double(), 1e-6)
     assert out.dtype == rms_norm_reference(x, weight, 1e-6).dtype and out.shape == x.shape
     assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_add_rms_norm_matches_a_decoder_layer(device, poisoned, dtype, assert_close):
+    """(x + delta, its RMSNorm): the sum exactly torch's, the norm to rounding."""
+    generator = torch.Generator().manual_seed(3)
+    x, delta = ((torch.randn(3, 5, 96, generator=generator) * 3).to(device, dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(96, generator=generator)).to(device, dtype)
+    total, normed = add_rms_norm(x, delta, weight, 1e-6)
+    expected_total, _ = add_rms_norm_reference(x, delta, weight, 1e-6)
+    assert torch.equal(total, expected_total) and normed.shape == x.shape and normed.dtype == dtype
+    assert_close(normed, rms_norm_reference(expected_total.double(), weight.double(), 1e-6), dtype)
+    with pytest.raises(ValueError, match="delta must match x"):
+        add_rms_norm(x, delta[:, :4], weight, 1e-6)
 
 
 @pytest.mark.gpu

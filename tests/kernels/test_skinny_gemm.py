@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 from hf_blockdiff.kernels.skinny_gemm import (
     MAX_ROWS, ONE_WEIGHT_MAX_ROWS, gated_linear, gated_linear_reference, grouped_linear, grouped_linear_reference,
+    linear_residual, linear_residual_reference,
 )
 
 pytest.importorskip("triton")
@@ -84,3 +85,21 @@ def test_sdar_4b_shapes_gpu(rows, assert_close):
     assert_close(gated_linear(x, gate, up), gated_linear_reference(x, gate, up).double(), torch.bfloat16)
     compiled = torch.compile(lambda h: gated_linear(h, gate, up), fullgraph=True)
     assert torch.equal(compiled(x), gated_linear(x, gate, up))
+
+
+@pytest.mark.parametrize("rows", [1, 7, ONE_WEIGHT_MAX_ROWS, ONE_WEIGHT_MAX_ROWS + 3])  # past 16: torch's own
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_residual_rounds_like_torch(device, poisoned, rows, dtype, with_bias, assert_close):
+    """residual + x·Wᵀ + b: the projection rounded to the dtype before the add, as a decoder layer computes it."""
+    x, (weight,), (bias,) = _tensors(device, dtype, rows, 300, (72,), seed=rows)
+    bias = bias if with_bias else None
+    residual = torch.randn(rows, 72, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
+    out = linear_residual(x, weight, bias, residual)
+    projected = (x.double() @ weight.double().T + (0 if bias is None else bias.double())).to(dtype)
+    assert out.shape == residual.shape and out.dtype == dtype
+    assert_close(out, residual.double() + projected.double(), dtype)
+    if dtype != torch.float32:  # a projection rounds the other way where fp32 sums straddle a midpoint
+        assert (out != linear_residual_reference(x, weight, bias, residual)).float().mean() < 0.05
+    with pytest.raises(ValueError, match=r"residual must be \[%d, 72\]" % rows):
+        linear_residual(x, weight, bias, residual[:, :70])
