@@ -200,9 +200,9 @@ class PagedBlockCache(Cache):
         cos, sin, q_weight, k_weight, eps = rotary
         key_pages, value_pages = self._pools(layer_idx, key)
         rows, heads, width, dim = query.shape
+        cos, sin = (t.expand(rows, width, dim).reshape(-1, dim) for t in (cos, sin))  # positions may be broadcast
         rotated = rotary_write(*(t.transpose(1, 2).reshape(rows * width, -1, dim) for t in (query, key, value)),
-                               cos.reshape(-1, dim), sin.reshape(-1, dim), key_pages, value_pages, plan.write_slots,
-                               q_weight, k_weight, eps)
+                               cos, sin, key_pages, value_pages, plan.write_slots, q_weight, k_weight, eps)
         return (rotated.view(rows, width, heads, dim).transpose(1, 2), *self._read(layer_idx, plan, None, None))
 
     def dense(self, layer_idx: int, read_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

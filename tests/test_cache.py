@@ -103,3 +103,40 @@ def test_write_ahead_does_not_move_the_pointer(qwen3):
                                fused_store=False, eos_token_id=[])
     qwen3.generate_multi_block(ids, cfg, attention_mask=mask)
     assert qwen3._blockdiff_engine.cache.committed.tolist() == [12]  # prompt 8 + one stored block of 4
+
+
+def test_update_rotary_writes_what_update_writes():
+    """K/V handed over as projected (q/k norms and rotary applied while writing) land where `update` puts the rotated
+    ones; cos/sin broadcast over the rows (positions of one row shared by all) are taken as they are."""
+    pytest.importorskip("triton")
+    from hf_blockdiff.attention import resolve_backend
+    from hf_blockdiff.kernels.rotary_write import rotary_write_reference
+
+    backend = resolve_backend("triton", torch.device("cpu"), 4, 4)
+    caches = [PagedBlockCache(num_layers=1, page_size=4) for _ in range(2)]
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, heads, 8, generator=generator) for heads in (4, 2, 2))  # [R, W, heads, D]
+    angles = torch.arange(3.0)[None, :, None] * torch.linspace(0.1, 1.0, 8)
+    cos, sin = angles.cos(), angles.sin()  # [1, W, D]
+    weights = [1 + 0.1 * torch.randn(8, generator=generator) for _ in range(2)]
+    plans = []
+    for cache in caches:
+        cache.start(2, 4, 2 * 4, torch.device("cpu"))
+        cache.assign(0, cache.pages.take(1))
+        cache.assign(1, cache.pages.take(1))
+        positions = torch.arange(3).expand(2, -1)
+        plans.append(backend.plan(cache, torch.arange(2), positions, torch.ones(2, 3, dtype=torch.bool),
+                                  torch.full((2, 3), 3, dtype=torch.int32)))
+    query, key, value = caches[0].update_rotary(*(t.transpose(1, 2) for t in (q, k, v)), 0, plans[0],
+                                                (cos, sin, *weights, 1e-6))
+    scratch = [torch.zeros(6, 2, 8) for _ in range(2)]
+    flat = [t.reshape(6, -1, 8) for t in (q, k, v)]
+    rows_cos, rows_sin = (t.expand(2, -1, -1).reshape(6, 8) for t in (cos, sin))
+    expected_q = rotary_write_reference(*flat, rows_cos, rows_sin, *(s.view(6, 1, 2, 8) for s in scratch),
+                                        torch.arange(6), *weights, eps=1e-6)
+    caches[1].update(scratch[0].view(2, 3, 2, 8).transpose(1, 2), scratch[1].view(2, 3, 2, 8).transpose(1, 2), 0,
+                     {"plan": plans[1]})
+    assert key is None and value is None  # the triton backend reads the pools
+    torch.testing.assert_close(query.transpose(1, 2).reshape(6, -1, 8), expected_q)
+    torch.testing.assert_close(caches[0].keys[0], caches[1].keys[0])
+    assert torch.equal(caches[0].values[0], caches[1].values[0])

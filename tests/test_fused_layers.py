@@ -161,3 +161,5 @@ def test_compile_is_off_by_default_where_every_layer_runs_fused():
     assert fusion_for(config, flash, True, cuda, qwen3, 1) == "compile"
     assert fusion_for(config.replace(compile=True), triton_backend, True, cuda, qwen3, 1) == "compile"
     assert fusion_for(config.replace(cfg_scale=1.0), triton_backend, True, cuda, qwen3, 8) == "compile"  # guided: x2
+    qwen3.model.layers[1].input_layernorm.register_forward_hook(lambda *args: None)  # a layer left to run itself
+    assert not fully_fused(qwen3) and fusion_for(config, triton_backend, True, cuda, qwen3, 1) == "compile"

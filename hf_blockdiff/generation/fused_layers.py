@@ -9,6 +9,10 @@ for forwards of few tokens, where a decode step's time is reading the weights; c
   configured attention function, the output projection as the down projection). Under hf_blockdiff's attention,
   with stock q/k norms (or none), q and k go to the attention function as projected (`blockdiff_rotary`): the
   cache's write kernel applies the norms and the rotary embedding (`kernels/rotary_write.py`).
+- Decoder layers (`Qwen2DecoderLayer`, `Qwen3DecoderLayer`, `Qwen3MoeDecoderLayer`) whose attention and gated MLP are
+  fused and whose norms are stock, when the layers are not compiled: the residual add after the attention in the
+  post-attention RMSNorm's launch (`add_rms_norm`), the one after the MLP in the down projection's
+  (`linear_residual`).
 
 `fused_forwards(model)` picks modules of exactly these classes, with no hook of their own, whose projections are
 plain `nn.Linear` layers with contiguous plain weights in the model's dtype (no LoRA wrapper, no quantized,
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm, eager_attention_forward
+from transformers.models.llama.modeling_llama import LlamaMLP, eager_attention_forward
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2MLP, Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3Attention, Qwen3DecoderLayer, Qwen3MLP, Qwen3RMSNorm, apply_rotary_pos_emb,
@@ -37,8 +41,9 @@ from ..kernels.skinny_gemm import gated_linear, grouped_linear, linear_residual
 GATED_MLPS = (LlamaMLP, Qwen2MLP, Qwen3MLP, Qwen3MoeMLP)
 QWEN_ATTENTIONS = (Qwen2Attention, Qwen3Attention, Qwen3MoeAttention)  # one forward (q/k norms optional)
 QK_NORMS = (Qwen3RMSNorm, Qwen3MoeRMSNorm)
-RMS_NORMS = (LlamaRMSNorm, Qwen2RMSNorm, *QK_NORMS)  # forward: kernels.rmsnorm.rms_norm_reference
-DECODER_LAYERS = (LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, Qwen3MoeDecoderLayer)  # one forward
+RMS_NORMS = (Qwen2RMSNorm, *QK_NORMS)  # forward: kernels.rmsnorm.rms_norm_reference
+# one forward; layers whose attention is one of QWEN_ATTENTIONS (Llama's is not fused, so neither are its layers)
+DECODER_LAYERS = (Qwen2DecoderLayer, Qwen3DecoderLayer, Qwen3MoeDecoderLayer)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

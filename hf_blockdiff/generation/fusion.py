@@ -5,8 +5,9 @@ with `fusion="norms"`, runs its stock RMSNorms as one Triton kernel each, with `
 through torch.compile (inductor fuses norms, rotary embedding and the gated MLP's activation; the cache write and the
 attention stay eager between the compiled pieces). With either fusion the stock Qwen attentions run q/k/v as one
 op and their q/k norms and rotary embedding in the cache's write kernel, and with `skinny=True` (the executor's
-choice when its denoising forwards hold few tokens) the stock gated MLPs run as skinny-GEMM ops too
-(`fused_layers.py`). Everything is restored after, also when the block raises.
+choice when its denoising forwards hold few tokens) the stock gated MLPs run as skinny-GEMM ops too, and with
+`fusion="norms"` the stock decoder layers with their residual adds fused (`fused_layers.py`). Everything is
+restored after, also when the block raises.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ def few_tokens(cfg: BlockDiffusionConfig, rows: int) -> bool:
 
 
 def fully_fused(model) -> bool:
-    """Whether every decoder layer's attention and MLP have fused forwards (`fused_layers.py`)."""
-    fused = {id(module) for module, _ in fused_forwards(model)}
+    """Whether every decoder layer has a fused forward, its attention and MLP with it (`fused_layers.py`)."""
+    fused = {id(module) for module, _ in fused_forwards(model, layers=True)}
     layers = decoder_layers(model)
-    return bool(layers) and all(id(getattr(layer, name, None)) in fused for layer in layers
-                                for name in ("self_attn", "mlp"))
+    return bool(layers) and all(id(layer) in fused for layer in layers)
 
 
 def fusion_for(cfg: BlockDiffusionConfig, backend: AttentionBackend, graphs: bool, device: torch.device,

@@ -25,13 +25,20 @@ def _capable(index: int) -> bool:
 
 
 def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` launch as programmatic dependents (`launch_pdl=` and the kernels' `GDC` flag)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not _GDC:
+    """Whether kernels on `device` launch as programmatic dependents (the kernels' `GDC` flag, `launch_options`):
+    NVIDIA GPUs of compute capability ≥ 9 with Triton ≥ 3.4 (not ROCm, whose launcher has no such option)."""
+    if (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not GDC_AVAILABLE
+            or torch.version.hip is not None):
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-_GDC = False
+def launch_options(dependent: bool) -> dict:
+    """The launch keyword for a dependent launch; nothing otherwise (Triton before 3.4 knows no `launch_pdl`)."""
+    return {"launch_pdl": True} if dependent else {}
+
+
+GDC_AVAILABLE = False  # Triton's gdc_wait / gdc_launch_dependents (3.4 and later)
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
@@ -39,7 +46,7 @@ if TRITON_AVAILABLE:
     try:
         from triton.language.extra.cuda import gdc_wait  # noqa: F401  (Triton >= 3.4)
 
-        _GDC = True
+        GDC_AVAILABLE = True
     except ImportError:
         pass
 

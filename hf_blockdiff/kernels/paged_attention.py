@@ -12,7 +12,7 @@ import math
 import torch
 
 from . import TRITON_AVAILABLE, require_triton
-from .dependent_launch import dependent_launch
+from .dependent_launch import dependent_launch, launch_options
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, q_limit, scale, q_start=None):
@@ -131,13 +131,13 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
         W, Hkv, split_len, scale * math.log2(math.e),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=splits > 1, DOT_PRECISION=_dot_precision(q), HAS_START=q_start is not None, GDC=overlap,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=overlap,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(overlap),
     )
     if splits > 1:
         _merge_splits_kernel[(R * W * Hq,)](
             part_o, part_ml, out, R * W * Hq,
             HEAD_DIM=D, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), GDC=overlap,
-            launch_pdl=overlap,
+            **launch_options(overlap),
         )
     return out
 

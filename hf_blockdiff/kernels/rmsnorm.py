@@ -37,12 +37,18 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return _launch(x, delta, weight, eps)
 
 
+def _rows(x: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """x as [rows, width] with unit stride along the width (the kernel's layout)."""
+    flat = x.reshape(rows, width)
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
 def _launch(x, delta, weight, eps):
     require_triton("rms_norm")
     width = x.shape[-1]
     rows = x.numel() // width
-    source = x.reshape(rows, width)
-    added = delta.reshape(rows, width) if delta is not None else source
+    source = _rows(x, rows, width)
+    added = _rows(delta, rows, width) if delta is not None else source
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if delta is not None else x
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     block = triton.next_power_of_2(width)
@@ -74,7 +80,8 @@ if TRITON_AVAILABLE:
             h = round_bf16(h) if x.dtype == tl.bfloat16 else h.to(x.dtype).to(tl.float32)
             tl.store(t_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], h.to(x.dtype), mask=inside)
         inv = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=1) / width + eps)
-        normed = (h * inv[:, None]).to(x.dtype).to(tl.float32)
+        normed = h * inv[:, None]
+        normed = round_bf16(normed) if x.dtype == tl.bfloat16 else normed.to(x.dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)
         y = (w[None, :] * normed).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], y, mask=inside)

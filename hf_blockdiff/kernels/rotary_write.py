@@ -17,7 +17,7 @@ Shapes: query [T, Hq, D], key and value [T, Hkv, D] (heads and dims contiguous),
 import torch
 
 from . import TRITON_AVAILABLE, require_triton
-from .dependent_launch import dependent_launch
+from .dependent_launch import dependent_launch, launch_options
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,7 +78,7 @@ def rotary_write(query, key, value, cos, sin, key_pages, value_pages, slots, q_w
         query, key, value, cos, sin, q_weight if normed else cos, k_weight if normed else cos, out, key_pages,
         value_pages, slots, query.stride(0), key.stride(0), value.stride(0), q_heads, kv_heads, q_groups, eps,
         DIM=dim, HALF=triton.next_power_of_2(dim // 2), HEADS=heads, NORMED=normed, ROUNDING=rounding, GDC=overlap,
-        num_warps=4, launch_pdl=overlap,
+        num_warps=4, **launch_options(overlap),
     )
     return out
 

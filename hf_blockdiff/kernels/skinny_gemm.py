@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import TRITON_AVAILABLE, require_triton
-from .dependent_launch import dependent_launch
+from .dependent_launch import dependent_launch, launch_options
 
 MAX_ROWS = 64
 ONE_WEIGHT_MAX_ROWS = 16  # one weight alone beats cuBLAS only up to here (H200: at 32 rows its down projection wins)
@@ -215,7 +215,8 @@ if TRITON_AVAILABLE:
             outputs[0] if residual is None else residual, *widths, rows, width,
             HAS_BIAS=has_bias, GATED=gated, IEEE=x.dtype == torch.float32 or _INTERPRETED, GDC=overlap,
             HAS_RESIDUAL=residual is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages, launch_pdl=overlap,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages,
+            **launch_options(overlap),
         )
 
     def _three(tensors: list) -> list:

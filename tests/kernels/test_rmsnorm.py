@@ -28,6 +28,8 @@ def test_add_rms_norm_matches_a_decoder_layer(device, poisoned, dtype, assert_cl
     expected_total, _ = add_rms_norm_reference(x, delta, weight, 1e-6)
     assert torch.equal(total, expected_total) and normed.shape == x.shape and normed.dtype == dtype
     assert_close(normed, rms_norm_reference(expected_total.double(), weight.double(), 1e-6), dtype)
+    strided = delta.transpose(0, 1).contiguous().transpose(0, 1)  # a layout whose reshape is no plain view
+    assert torch.equal(add_rms_norm(x, strided, weight, 1e-6)[0], expected_total)
     with pytest.raises(ValueError, match="delta must match x"):
         add_rms_norm(x, delta[:, :4], weight, 1e-6)
 
