@@ -64,7 +64,7 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .rounding import round_bf16
+    from .rounding import round_to
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, t_ptr, y_ptr, n_rows, width, stride, d_stride, eps, BLOCK: tl.constexpr,
@@ -77,11 +77,10 @@ if TRITON_AVAILABLE:
         if HAS_DELTA:  # the residual sum, rounded as torch rounds it (bf16 by bit arithmetic: exact under the
             d = tl.load(d_ptr + rows[:, None].to(tl.int64) * d_stride + cols[None, :], mask=inside, other=0.0)
             h = h + d.to(tl.float32)  # interpreter too, whose casts truncate)
-            h = round_bf16(h) if x.dtype == tl.bfloat16 else h.to(x.dtype).to(tl.float32)
+            h = round_to(h, x.dtype)
             tl.store(t_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], h.to(x.dtype), mask=inside)
         inv = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=1) / width + eps)
-        normed = h * inv[:, None]
-        normed = round_bf16(normed) if x.dtype == tl.bfloat16 else normed.to(x.dtype).to(tl.float32)
+        normed = round_to(h * inv[:, None], x.dtype)
         w = tl.load(w_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)
         y = (w[None, :] * normed).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], y, mask=inside)

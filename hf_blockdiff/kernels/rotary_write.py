@@ -18,12 +18,7 @@ import torch
 
 from . import TRITON_AVAILABLE, require_triton
 from .dependent_launch import dependent_launch, launch_options
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+from .rmsnorm import rms_norm_reference
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -35,7 +30,7 @@ def rotary_write_reference(query, key, value, cos, sin, key_pages, value_pages, 
                            eps=1e-6) -> torch.Tensor:
     """transformers' Qwen3 attention steps (RMSNorm over head_dim, `apply_rotary_pos_emb`) and the cache's write."""
     if q_weight is not None:
-        query, key = _rms_norm(query, q_weight, eps), _rms_norm(key, k_weight, eps)
+        query, key = rms_norm_reference(query, q_weight, eps), rms_norm_reference(key, k_weight, eps)
     cos, sin = cos[:, None], sin[:, None]
     key_pages.view(-1, *key_pages.shape[2:]).index_copy_(0, slots, _rotate(key, cos, sin))
     value_pages.view(-1, *value_pages.shape[2:]).index_copy_(0, slots, value)
@@ -72,12 +67,11 @@ def rotary_write(query, key, value, cos, sin, key_pages, value_pages, slots, q_w
     heads = min(8, triton.next_power_of_2(max(q_heads, kv_heads)))
     q_groups = triton.cdiv(q_heads, heads)
     normed = q_weight is not None
-    rounding = {torch.bfloat16: 1, torch.float16: 2}.get(query.dtype, 0)
     overlap = dependent_launch(query.device)
     _rotary_write_kernel[(tokens, q_groups + triton.cdiv(kv_heads, heads))](
         query, key, value, cos, sin, q_weight if normed else cos, k_weight if normed else cos, out, key_pages,
         value_pages, slots, query.stride(0), key.stride(0), value.stride(0), q_heads, kv_heads, q_groups, eps,
-        DIM=dim, HALF=triton.next_power_of_2(dim // 2), HEADS=heads, NORMED=normed, ROUNDING=rounding, GDC=overlap,
+        DIM=dim, HALF=triton.next_power_of_2(dim // 2), HEADS=heads, NORMED=normed, GDC=overlap,
         num_warps=4, **launch_options(overlap),
     )
     return out
@@ -88,21 +82,11 @@ if TRITON_AVAILABLE:
     import triton.language as tl
 
     from .dependent_launch import follow_previous
-    from .rounding import round_bf16
-
-    @triton.jit
-    def _round(x, ROUNDING: tl.constexpr):
-        """fp32 x rounded to the tensors' dtype (0: fp32, 1: bf16, 2: fp16), as float32."""
-        if ROUNDING == 1:
-            return round_bf16(x)
-        elif ROUNDING == 2:
-            return x.to(tl.float16).to(tl.float32)
-        else:
-            return x
+    from .rounding import round_to
 
     @triton.jit
     def _normed_rotated(x_ptr, w_ptr, cos_ptr, sin_ptr, heads, cols, inside, eps, DIM: tl.constexpr,
-                        NORMED: tl.constexpr, ROUNDING: tl.constexpr):
+                        NORMED: tl.constexpr, DTYPE: tl.constexpr):
         """[HEADS, HALF] low and high halves of the heads at x_ptr, normed and rotated (float32, rounded)."""
         half = DIM // 2
         lo = tl.load(x_ptr + heads[:, None] * DIM + cols[None, :], mask=inside, other=0.0).to(tl.float32)
@@ -111,21 +95,21 @@ if TRITON_AVAILABLE:
             inv = 1.0 / tl.sqrt_rn((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / DIM + eps)
             w_lo = tl.load(w_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
             w_hi = tl.load(w_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)
-            lo = _round(w_lo[None, :] * _round(lo * inv[:, None], ROUNDING), ROUNDING)
-            hi = _round(w_hi[None, :] * _round(hi * inv[:, None], ROUNDING), ROUNDING)
+            lo = round_to(w_lo[None, :] * round_to(lo * inv[:, None], DTYPE), DTYPE)
+            hi = round_to(w_hi[None, :] * round_to(hi * inv[:, None], DTYPE), DTYPE)
         cos_lo = tl.load(cos_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
         cos_hi = tl.load(cos_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
         sin_lo = tl.load(sin_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
         sin_hi = tl.load(sin_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
-        out_lo = _round(_round(lo * cos_lo, ROUNDING) - _round(hi * sin_lo, ROUNDING), ROUNDING)
-        out_hi = _round(_round(hi * cos_hi, ROUNDING) + _round(lo * sin_hi, ROUNDING), ROUNDING)
+        out_lo = round_to(round_to(lo * cos_lo, DTYPE) - round_to(hi * sin_lo, DTYPE), DTYPE)
+        out_hi = round_to(round_to(hi * cos_hi, DTYPE) + round_to(lo * sin_hi, DTYPE), DTYPE)
         return out_lo, out_hi
 
     @triton.jit
     def _rotary_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, out_ptr, kpool_ptr, vpool_ptr,
                              slots_ptr, q_stride, k_stride, v_stride, q_heads, kv_heads, q_groups, eps,
                              DIM: tl.constexpr, HALF: tl.constexpr, HEADS: tl.constexpr, NORMED: tl.constexpr,
-                             ROUNDING: tl.constexpr, GDC: tl.constexpr):
+                             GDC: tl.constexpr):
         """Program (t, g): head group g of token t, a group of query heads (g < q_groups) or of key/value heads."""
         follow_previous(GDC)
         token = tl.program_id(0).to(tl.int64)
@@ -137,13 +121,13 @@ if TRITON_AVAILABLE:
             heads = group * HEADS + tl.arange(0, HEADS)
             inside = (heads[:, None] < q_heads) & (cols[None, :] < DIM // 2)
             lo, hi = _normed_rotated(q_ptr + token * q_stride, qw_ptr, cos_ptr, sin_ptr, heads, cols, inside, eps,
-                                     DIM, NORMED, ROUNDING)
+                                     DIM, NORMED, out_ptr.dtype.element_ty)
             target = out_ptr + token * q_heads * DIM
         else:
             heads = (group - q_groups) * HEADS + tl.arange(0, HEADS)
             inside = (heads[:, None] < kv_heads) & (cols[None, :] < DIM // 2)
             lo, hi = _normed_rotated(k_ptr + token * k_stride, kw_ptr, cos_ptr, sin_ptr, heads, cols, inside, eps,
-                                     DIM, NORMED, ROUNDING)
+                                     DIM, NORMED, out_ptr.dtype.element_ty)
             slot = tl.load(slots_ptr + token).to(tl.int64) * kv_heads * DIM
             offsets = heads[:, None] * DIM + cols[None, :]
             for half in tl.static_range(2):

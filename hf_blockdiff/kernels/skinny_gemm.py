@@ -101,7 +101,7 @@ if TRITON_AVAILABLE:
     from torch.library import custom_op
 
     from .dependent_launch import allow_dependents, wait_inputs
-    from .rounding import round_bf16
+    from .rounding import round_to
 
     # Triton's CPU interpreter multiplies bf16 tiles as raw bits: there the tiles go to fp32 first (bf16 products are
     # exact in fp32, as on the tensor cores, so only the summation order differs)
@@ -114,39 +114,32 @@ if TRITON_AVAILABLE:
         return tl.dot(x, tl.trans(w), acc)
 
     @triton.jit
-    def _rounded(x, dtype: tl.constexpr):
-        """fp32 x rounded to `dtype` (bf16 by bit arithmetic, so the CPU interpreter rounds as GPUs do), as fp32."""
-        if dtype == tl.bfloat16:
-            return round_bf16(x)
-        return x.to(dtype).to(tl.float32)
-
-    @triton.jit
     def _store(acc, acc_up, b_ptr, r_ptr, y_ptr, cols, rm, rows, n, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                HAS_RESIDUAL: tl.constexpr):
         """The epilogue: SiLU·up (GATED) or + bias, rounded to y's dtype, then + residual, rounded again."""
         dtype = y_ptr.dtype.element_ty
         if GATED:
-            gate = _rounded(acc, dtype)
-            out = _rounded(gate / (1.0 + tl.exp(-gate)), dtype) * _rounded(acc_up, dtype)
+            gate = round_to(acc, dtype)
+            out = round_to(gate / (1.0 + tl.exp(-gate)), dtype) * round_to(acc_up, dtype)
         else:
             out = acc
             if HAS_BIAS:
                 out += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
         y_mask = (rm[:, None] < rows) & (cols[None, :] < n)
-        out = _rounded(out, dtype)
+        out = round_to(out, dtype)
         if HAS_RESIDUAL:
             residual = tl.load(r_ptr + rm[:, None] * n + cols[None, :], mask=y_mask, other=0.0)
-            out = _rounded(out + residual.to(tl.float32), dtype)
+            out = round_to(out + residual.to(tl.float32), dtype)
         tl.store(y_ptr + rm[:, None] * n + cols[None, :], out.to(dtype), mask=y_mask)
+
+    @triton.jit
+    def _x_tile(x_ptr, rm, ks, rows, K):
+        return tl.load(x_ptr + rm[:, None] * K + ks[None, :], mask=(rm[:, None] < rows) & (ks[None, :] < K), other=0.0)
 
     # variants follow only the tile sizes (BLOCK_M 16/32/64), not every row count, and every capacity runs once
     # before its CUDA graph is captured, so none compiles mid-capture; x is made 16-byte aligned in `_launch`, so its
     # alignment specialization never changes either (left unspecialized, its loads made a batch-1 step 25 % slower
     # on an H200)
-    @triton.jit
-    def _x_tile(x_ptr, rm, ks, rows, K):
-        return tl.load(x_ptr + rm[:, None] * K + ks[None, :], mask=(rm[:, None] < rows) & (ks[None, :] < K), other=0.0)
-
     @triton.jit(do_not_specialize=["rows"])
     def _skinny_kernel(x_ptr, w0, w1, w2, b0, b1, b2, y0, y1, y2, r_ptr, n0, n1, n2, rows, K,
                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr,
