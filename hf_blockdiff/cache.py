@@ -238,3 +238,8 @@ class PagedBlockCache(Cache):
     @property
     def is_initialized(self) -> bool:
         return any(k is not None for k in self.keys)
+
+    @property
+    def fully_allocated(self) -> bool:
+        """Whether every layer's page pools exist (each is allocated, zeroed, at its layer's first write)."""
+        return all(k is not None for k in self.keys)

@@ -21,6 +21,7 @@ from ..attention import AttentionBackend
 from ..cache import PagedBlockCache
 from ..scheduler.canvas import CanvasRules, CanvasState, CounterNoise, TorchOrderNoise
 from .engine import Results, nonfinite_error
+from .graphs import compile_ahead
 
 
 class CanvasModel(Protocol):
@@ -128,8 +129,11 @@ class CanvasEngine:
         if self.graph is not None:
             self.graph.replay()
         else:
+            capture = self.run.graphs and self.state.canvas.is_cuda
+            if capture and self.run.fusion != "compile":
+                compile_ahead(self.denoise_step, self.state.canvas.device, self.cache)
             self.denoise_step()
-            if self.run.graphs and self.state.canvas.is_cuda:
+            if capture:
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph):
                     self.denoise_step()

@@ -105,7 +105,8 @@ class Engine:
             store = PrefixStore(self.executor.cache, cfg.block_size, cfg.prefix_cache_tokens)
         self.pages = PageAssigner(self.executor.cache, slots, guided, self.scheduler.policy.prefills and not guided,
                                   store, cfg.logit_shift)
-        self.step = StepGraphs(self.decode_step, capture=device.type == "cuda").step if graphs else self.decode_step
+        ahead = fusion != "compile"  # graphs.compile_ahead
+        self.step = StepGraphs(self.decode_step, device.type == "cuda", ahead).step if graphs else self.decode_step
 
     @property
     def cache(self):

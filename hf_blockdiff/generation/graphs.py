@@ -7,12 +7,19 @@ host reads back the next step's chunk count (with the done flags) to pick the bu
 window (single-block block-causal decoding) and the bound is a small forward, whose cost hardly depends on its token
 count, one graph chains `CHAIN_STEPS` steps at the bound with no host round trip between them. Off CUDA the same
 fixed-shape steps run eagerly, which is how the CPU tests check them against the exactly-sized step.
+
+Before the first step of a graphed engine whose layers are not torch.compile'd, `compile_ahead` compiles the step's
+Triton kernels in parallel (a cold process's first call: README "Cold start").
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from ..cache import PagedBlockCache
+from ..kernels.compile_ahead import can_compile_ahead, compiling_ahead
 from .step import DecodeStep
 
 CHAIN_STEPS = 8
@@ -26,11 +33,26 @@ def capacity_buckets(slots: int, most: int) -> list[int]:
     return sorted({min(b, most) for b in buckets} | {most})
 
 
+def compile_ahead(program: Callable[[], None], device: torch.device, cache: PagedBlockCache) -> None:
+    """Compile the Triton kernels `program` launches, in parallel, without running it: inside
+    `kernels.compile_ahead.compiling_ahead` it is captured into a graph that is thrown away, so nothing it enqueues
+    runs (its writes included). Only for programs a graph may capture, and not where capturing would compile
+    (torch.compile'd layers compile, and autotune, at their first call). Skipped unless every layer of `cache` has
+    its pools (one allocated inside the thrown-away graph would keep its zeros unwritten)."""
+    if not (cache.fully_allocated and can_compile_ahead(device)):
+        return
+    with compiling_ahead(device):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            program()
+
+
 class StepGraphs:
-    def __init__(self, step: DecodeStep, capture: bool):
+    def __init__(self, step: DecodeStep, capture: bool, ahead: bool = False):
+        """`ahead`: compile the step's kernels ahead of its first run (`compile_ahead`)."""
         scheduler = step.scheduler
         state = scheduler.state
-        self.decode_step, self.scheduler, self.capture = step, scheduler, capture
+        self.decode_step, self.scheduler, self.capture, self.ahead = step, scheduler, capture, capture and ahead
         self.logit_capacity = state.num_rows * scheduler.active_blocks * state.block_size
         most = state.num_rows * -(-(state.width + 1) // scheduler.chunk)
         self.buckets = capacity_buckets(state.num_rows, most)
@@ -51,6 +73,10 @@ class StepGraphs:
         if graph is not None:
             graph.replay()
             return
+        if self.ahead:
+            self.ahead = False
+            compile_ahead(lambda: self.decode_step(capacity, self.logit_capacity), self.scheduler.chunk_total.device,
+                          self.decode_step.executor.cache)
         for _ in range(steps):  # real steps, which also warm this shape up
             self.decode_step(capacity, self.logit_capacity)
         if self.capture:

@@ -16,6 +16,7 @@ apart: the kernel's tanh, exp and log are not torch's).
 import torch
 
 from . import TRITON_AVAILABLE, require_triton
+from .compile_ahead import launch
 from .scoring import gumbel_argmax
 
 NOISE_ELEMENTS = 1 << 24  # Gumbel noise values hashed at once by the torch reference
@@ -75,7 +76,7 @@ def canvas_score_triton(logits, softcap, temperature, seed, counter, probs_dtype
     if N:
         cap = 1.0 if softcap is None else float(softcap)
         inverse_cap = float(torch.tensor(1.0 / cap, dtype=torch.float32))
-        _canvas_score_kernel[(N,)](
+        launch(_canvas_score_kernel, (N,),
             logits, logits.stride(0), temperature.float().reshape(1), seed, counter, sample, argmax, stats, probs, N,
             V, cap, inverse_cap, SOFTCAP=softcap is not None, ROUND_BF16=probs_dtype == torch.bfloat16,
             BLOCK_V=block_v, num_warps=max(1, min(16, block_v // 256)),

@@ -12,6 +12,7 @@ import math
 import torch
 
 from . import TRITON_AVAILABLE, require_triton
+from .compile_ahead import launch
 from .dependent_launch import dependent_launch, launch_options
 
 
@@ -123,7 +124,7 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
     else:
         part_o = part_ml = out
 
-    _paged_attention_kernel[(m_tiles, R * Hkv, splits)](
+    launch(_paged_attention_kernel, (m_tiles, R * Hkv, splits),
         q, k_pages, v_pages, page_table, q_limit, starts, out, part_o, part_ml,
         q.stride(0), q.stride(1), q.stride(2),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
@@ -134,7 +135,7 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
         num_warps=num_warps, num_stages=num_stages, **launch_options(overlap),
     )
     if splits > 1:
-        _merge_splits_kernel[(R * W * Hq,)](
+        launch(_merge_splits_kernel, (R * W * Hq,),
             part_o, part_ml, out, R * W * Hq,
             HEAD_DIM=D, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), GDC=overlap,
             **launch_options(overlap),

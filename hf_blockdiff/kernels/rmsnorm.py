@@ -10,6 +10,7 @@ outputs agree to rounding, not bit for bit.
 import torch
 
 from . import TRITON_AVAILABLE, require_triton
+from .compile_ahead import launch
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,7 +54,7 @@ def _launch(x, delta, weight, eps):
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     block = triton.next_power_of_2(width)
     per_program = max(1, min(16, 4096 // block))
-    _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
+    launch(_rms_norm_kernel, (triton.cdiv(rows, per_program),),
         source, added, weight, total, out, rows, width, source.stride(0), added.stride(0), eps, BLOCK=block,
         ROWS=per_program, HAS_DELTA=delta is not None, num_warps=4 if block <= 1024 else 8,
     )

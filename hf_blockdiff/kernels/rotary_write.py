@@ -17,6 +17,7 @@ Shapes: query [T, Hq, D], key and value [T, Hkv, D] (heads and dims contiguous),
 import torch
 
 from . import TRITON_AVAILABLE, require_triton
+from .compile_ahead import launch
 from .dependent_launch import dependent_launch, launch_options
 from .rmsnorm import rms_norm_reference
 
@@ -68,7 +69,7 @@ def rotary_write(query, key, value, cos, sin, key_pages, value_pages, slots, q_w
     q_groups = triton.cdiv(q_heads, heads)
     normed = q_weight is not None
     overlap = dependent_launch(query.device)
-    _rotary_write_kernel[(tokens, q_groups + triton.cdiv(kv_heads, heads))](
+    launch(_rotary_write_kernel, (tokens, q_groups + triton.cdiv(kv_heads, heads)),
         query, key, value, cos, sin, q_weight if normed else cos, k_weight if normed else cos, out, key_pages,
         value_pages, slots, query.stride(0), key.stride(0), value.stride(0), q_heads, kv_heads, q_groups, eps,
         DIM=dim, HALF=triton.next_power_of_2(dim // 2), HEADS=heads, NORMED=normed, GDC=overlap,

@@ -10,6 +10,7 @@ All statistics in fp32, natural log, 0 * log 0 = 0.
 import torch
 
 from . import TRITON_AVAILABLE, require_triton
+from .compile_ahead import launch
 from .rng import gumbel_noise
 
 
@@ -86,7 +87,7 @@ def score_triton(logits, mask_token_id, temperature, top_k, seed, counter, block
     if N == 0:
         return proposal, *stats
     threshold = _top_k_threshold(logits, mask_token_id, inv_temperature, top_k) if filtered else stats[0]
-    _score_kernel[(N,)](
+    launch(_score_kernel, (N,),
         logits, logits.stride(0), seed, counter, threshold, proposal, stats, N, V, mask_token_id, inv_temperature,
         SAMPLE=sample, FILTER=filtered, BLOCK_V=block_v, num_warps=max(1, min(32, block_v // 256)),
     )

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import TRITON_AVAILABLE, require_triton
+from .compile_ahead import launch
 from .dependent_launch import dependent_launch, launch_options
 
 MAX_ROWS = 64
@@ -203,7 +204,7 @@ if TRITON_AVAILABLE:
         block_n, block_k, stages = _tiles(sum(widths), width, gated, block_m)
         programs = triton.cdiv(widths[0], block_n) if gated else sum(triton.cdiv(n, block_n) for n in widths)
         overlap = dependent_launch(x.device)
-        _skinny_kernel[(programs,)](
+        launch(_skinny_kernel, (programs,),
             x, *_three(weights), *_three(biases if has_bias else weights), *_three(outputs),
             outputs[0] if residual is None else residual, *widths, rows, width,
             HAS_BIAS=has_bias, GATED=gated, IEEE=x.dtype == torch.float32 or _INTERPRETED, GDC=overlap,
