@@ -1,7 +1,10 @@
 """Tiny models and prompts shared by the tests."""
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 import hf_blockdiff  # noqa: F401  (patches the stock classes)
 
@@ -10,6 +13,7 @@ FAMILIES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),  # pass num_experts, num_experts_per_tok, moe_intermediate_size
 }
 
 

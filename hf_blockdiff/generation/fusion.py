@@ -6,8 +6,9 @@ through torch.compile (inductor fuses norms, rotary embedding and the gated MLP'
 attention stay eager between the compiled pieces). With either fusion the stock Qwen attentions run q/k/v as one
 op and their q/k norms and rotary embedding in the cache's write kernel, and with `skinny=True` (the executor's
 choice when its denoising forwards hold few tokens) the stock gated MLPs run as skinny-GEMM ops too, and with
-`fusion="norms"` the stock decoder layers with their residual adds fused (`fused_layers.py`). Everything is
-restored after, also when the block raises.
+`fusion="norms"` the stock decoder layers with their residual adds fused (`fused_layers.py`); with either fusion the
+stock MoE experts run on the experts kernel when their pairs are few (`fused_experts.py`). Everything is restored
+after, also when the block raises.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..config import BlockDiffusionConfig
 from ..kernels.rmsnorm import rms_norm
 from ..kernels.skinny_gemm import MAX_ROWS
 from ..quantization import compiles_well
+from .fused_experts import fused_experts
 from .fused_layers import fused_forwards
 
 # transformers' RMSNorm classes whose forward is exactly kernels.rmsnorm.rms_norm_reference
@@ -88,7 +90,8 @@ def shape_policy(model) -> bool | None:
 def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = False):
     norms = [m for m in model.modules() if type(m).__name__ in STOCK_RMS_NORMS] if fusion == "norms" else []
     layers = decoder_layers(model) if fusion == "compile" else []
-    projections = fused_forwards(model, mlps=skinny, layers=fusion == "norms") if fusion != "none" else []
+    projections = fused_forwards(model, mlps=skinny, layers=fusion == "norms") + fused_experts(model) \
+        if fusion != "none" else []
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME

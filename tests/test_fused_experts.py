@@ -1,0 +1,39 @@
+"""The experts kernel in decoding (generation/fused_experts.py): which modules take it, and the tokens they keep."""
+
+import torch
+
+from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.generation import fused_experts
+from hf_blockdiff.generation.fused_experts import fused_experts as experts_of
+
+from helpers import MASK, left_pad, random_prompts, tiny_model
+
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton on CPU: TRITON_INTERPRET (tests/conftest.py)
+
+
+def test_stock_experts_are_taken_and_others_left():
+    model = tiny_model("qwen3_moe", **MOE)
+    assert [type(m).__name__ for m, _ in experts_of(model)] == ["Qwen3MoeExperts"] * 2
+    hooked = tiny_model("qwen3_moe", **MOE)
+    hooked.model.layers[0].mlp.experts.register_forward_hook(lambda *args: None)
+    assert len(experts_of(hooked)) == 1
+    assert experts_of(tiny_model("qwen3_moe", hidden_act="gelu", **MOE)) == []  # an activation the kernel lacks
+    assert experts_of(tiny_model("qwen3")) == []
+
+
+def test_decoding_runs_the_kernel_and_keeps_the_tokens(monkeypatch):
+    """Triton backend (TRITON_INTERPRET on CPU): every denoising forward's experts on the kernel, tokens equal to the
+    sdpa backend's (transformers' own experts forward); the model's forwards are back after the call."""
+    model = tiny_model("qwen3_moe", **MOE).to(DEVICE)
+    calls = []
+    kernel = fused_experts.moe_experts
+    monkeypatch.setattr(fused_experts, "moe_experts", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    ids, mask = left_pad(random_prompts((9, 4, 6), seed=5))
+    config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, threshold=0.6, eos_token_id=[],
+                                  attention="block_causal", alignment="absolute")
+    plain, fused = (model.generate_multi_block(ids.to(DEVICE), config.replace(attention_backend=backend),
+                                               attention_mask=mask.to(DEVICE)) for backend in ("sdpa", "triton"))
+    assert torch.equal(plain, fused)
+    assert len(calls) >= 2 * 4 and min(calls) <= 12  # two MoE layers per forward, denoising forwards of 12 tokens
+    assert all("forward" not in vars(m) for m in model.modules())
