@@ -130,8 +130,8 @@ class CanvasEngine:
             self.graph.replay()
         else:
             capture = self.run.graphs and self.state.canvas.is_cuda
-            if capture and self.run.fusion != "compile":
-                compile_ahead(self.denoise_step, self.state.canvas.device, self.cache)
+            if capture:
+                compile_ahead(self.denoise_step, self.state.canvas.device, self.cache, self.run.fusion)
             self.denoise_step()
             if capture:
                 self.graph = torch.cuda.CUDAGraph()

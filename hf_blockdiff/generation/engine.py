@@ -105,8 +105,7 @@ class Engine:
             store = PrefixStore(self.executor.cache, cfg.block_size, cfg.prefix_cache_tokens)
         self.pages = PageAssigner(self.executor.cache, slots, guided, self.scheduler.policy.prefills and not guided,
                                   store, cfg.logit_shift)
-        ahead = fusion != "compile"  # graphs.compile_ahead
-        self.step = StepGraphs(self.decode_step, device.type == "cuda", ahead).step if graphs else self.decode_step
+        self.step = StepGraphs(self.decode_step, device.type == "cuda", fusion).step if graphs else self.decode_step
 
     @property
     def cache(self):

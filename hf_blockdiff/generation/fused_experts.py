@@ -18,6 +18,7 @@ import torch
 
 from ..kernels import TRITON_AVAILABLE
 from ..kernels.moe_experts import few_pairs, moe_experts
+from .fused_layers import unhooked
 
 try:
     from transformers.activations import GELUTanh, SiLUActivation
@@ -42,8 +43,7 @@ def _stock(module: torch.nn.Module) -> bool:
     return (module.has_gate and getattr(module, "is_concatenated", True) and not module.has_bias
             and not module.is_transposed and not getattr(module, "has_post_expert_norm", False)  # (transformers 5.23)
             and not getattr(module, "_is_expert_parallel", False)
-            and type(module)._apply_gate is _default_apply_gate and "forward" not in vars(module)
-            and not module._forward_hooks and not module._forward_pre_hooks and not hasattr(module, "_hf_hook")
+            and type(module)._apply_gate is _default_apply_gate and unhooked(module)
             and all(type(w.data) is torch.Tensor and w.is_contiguous() and w.device.type != "meta" for w in weights)
             and weights[0].dtype == weights[1].dtype)
 

@@ -47,7 +47,7 @@ DECODER_LAYERS = (Qwen2DecoderLayer, Qwen3DecoderLayer, Qwen3MoeDecoderLayer)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _unhooked(module: torch.nn.Module) -> bool:
+def unhooked(module: torch.nn.Module) -> bool:
     """No forward hooks, no forward set on the instance (accelerate's offload and dispatch hooks set one)."""
     return (not module._forward_hooks and not module._forward_pre_hooks and "forward" not in vars(module)
             and not hasattr(module, "_hf_hook"))
@@ -55,7 +55,7 @@ def _unhooked(module: torch.nn.Module) -> bool:
 
 def _plain(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
     weight = linear.weight
-    return (type(linear) is torch.nn.Linear and _unhooked(linear) and type(weight.data) is torch.Tensor
+    return (type(linear) is torch.nn.Linear and unhooked(linear) and type(weight.data) is torch.Tensor
             and weight.dtype == dtype and weight.is_contiguous() and weight.device.type != "meta")
 
 
@@ -98,7 +98,7 @@ def _rotates_in_cache(attention: torch.nn.Module) -> bool:
     if not hasattr(attention, "q_norm"):
         return True
     norms = (attention.q_norm, attention.k_norm)
-    return (all(type(n) in QK_NORMS and _unhooked(n) and n.weight.shape == (attention.head_dim,) for n in norms)
+    return (all(type(n) in QK_NORMS and unhooked(n) and n.weight.shape == (attention.head_dim,) for n in norms)
             and norms[0].variance_epsilon == norms[1].variance_epsilon)
 
 
@@ -157,13 +157,13 @@ def _fusable(module: torch.nn.Module, dtype: torch.dtype) -> bool:
             return False
     else:
         return False
-    return _unhooked(module) and all(_plain(p, dtype) for p in linears)
+    return unhooked(module) and all(_plain(p, dtype) for p in linears)
 
 
 def _fusable_layer(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Exactly a listed decoder layer, unhooked, with stock norms, a fused attention and a fused gated MLP."""
     norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-    return (type(layer) in DECODER_LAYERS and _unhooked(layer) and all(type(n) in RMS_NORMS and _unhooked(n)
+    return (type(layer) in DECODER_LAYERS and unhooked(layer) and all(type(n) in RMS_NORMS and unhooked(n)
                                                                         for n in norms)
             and type(layer.mlp) in GATED_MLPS and _fusable(layer.mlp, dtype) and _fusable(layer.self_attn, dtype))
 

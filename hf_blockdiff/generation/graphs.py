@@ -33,13 +33,13 @@ def capacity_buckets(slots: int, most: int) -> list[int]:
     return sorted({min(b, most) for b in buckets} | {most})
 
 
-def compile_ahead(program: Callable[[], None], device: torch.device, cache: PagedBlockCache) -> None:
+def compile_ahead(program: Callable[[], None], device: torch.device, cache: PagedBlockCache, fusion: str) -> None:
     """Compile the Triton kernels `program` launches, in parallel, without running it: inside
     `kernels.compile_ahead.compiling_ahead` it is captured into a graph that is thrown away, so nothing it enqueues
-    runs (its writes included). Only for programs a graph may capture, and not where capturing would compile
-    (torch.compile'd layers compile, and autotune, at their first call). Skipped unless every layer of `cache` has
-    its pools (one allocated inside the thrown-away graph would keep its zeros unwritten)."""
-    if not (cache.fully_allocated and can_compile_ahead(device)):
+    runs (its writes included). Only for programs a graph may capture. Skipped where capturing would compile (fusion
+    "compile": torch.compile'd layers compile, and autotune, at their first call), and unless every layer of `cache`
+    has its pools (one allocated inside the thrown-away graph would keep its zeros unwritten)."""
+    if fusion == "compile" or not (cache.fully_allocated and can_compile_ahead(device)):
         return
     with compiling_ahead(device):
         graph = torch.cuda.CUDAGraph()
@@ -48,11 +48,12 @@ def compile_ahead(program: Callable[[], None], device: torch.device, cache: Page
 
 
 class StepGraphs:
-    def __init__(self, step: DecodeStep, capture: bool, ahead: bool = False):
-        """`ahead`: compile the step's kernels ahead of its first run (`compile_ahead`)."""
+    def __init__(self, step: DecodeStep, capture: bool, fusion: str = "none"):
+        """`fusion`: the layers' (`fusion.fusion_for`), which says whether the first capture may compile ahead."""
         scheduler = step.scheduler
         state = scheduler.state
-        self.decode_step, self.scheduler, self.capture, self.ahead = step, scheduler, capture, capture and ahead
+        self.decode_step, self.scheduler, self.capture, self.fusion = step, scheduler, capture, fusion
+        self.ahead = capture  # until the first step: `compile_ahead`
         self.logit_capacity = state.num_rows * scheduler.active_blocks * state.block_size
         most = state.num_rows * -(-(state.width + 1) // scheduler.chunk)
         self.buckets = capacity_buckets(state.num_rows, most)
@@ -76,7 +77,7 @@ class StepGraphs:
         if self.ahead:
             self.ahead = False
             compile_ahead(lambda: self.decode_step(capacity, self.logit_capacity), self.scheduler.chunk_total.device,
-                          self.decode_step.executor.cache)
+                          self.decode_step.executor.cache, self.fusion)
         for _ in range(steps):  # real steps, which also warm this shape up
             self.decode_step(capacity, self.logit_capacity)
         if self.capture:

@@ -13,8 +13,6 @@ Beyond `MAX_PAIRS_PER_EXPERT` pairs per expert on average the weight tiles would
 cuBLAS's grouped GEMM is the better kernel; callers check `few_pairs`. Reference: `moe_experts_reference`.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -78,15 +76,7 @@ if TRITON_AVAILABLE:
     import triton.language as tl
     from torch.library import custom_op
 
-    from .rounding import round_to
-
-    _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # there bf16 tiles multiply as fp32 (skinny_gemm.py)
-
-    @triton.jit
-    def _dot(x, w, acc, IEEE: tl.constexpr):
-        if IEEE:
-            return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        return tl.dot(x, tl.trans(w), acc)
+    from .rounding import dot_t, ieee_products, round_to
 
     @triton.jit
     def _activation(x, ACT: tl.constexpr):
@@ -120,10 +110,10 @@ if TRITON_AVAILABLE:
                 x = tl.load(x_ptr + source[:, None].to(tl.int64) * K + ks[None, :],
                             mask=live[:, None] & (ks[None, :] < K), other=0.0)
                 w_mask = (cols[:, None] < N) & (ks[None, :] < K)
-                acc = _dot(x, tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0), acc, IEEE)
+                acc = dot_t(x, tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0), acc, IEEE)
                 if ACT > 0:
                     up = tl.load(w_rows + N * K + ks[None, :], mask=w_mask, other=0.0)
-                    acc_up = _dot(x, up, acc_up, IEEE)
+                    acc_up = dot_t(x, up, acc_up, IEEE)
             out = round_to(acc, dtype)
             target = order if ACT == 0 else rm
             if ACT > 0:
@@ -137,7 +127,7 @@ if TRITON_AVAILABLE:
         block_m = 16 if average <= 8 else 32 if average <= 24 else 64
         launch(_experts_kernel, (experts, triton.cdiv(width, 64)),
                x, order, offsets, weights, out, top_k, x.shape[1], width,
-               ACT=act, IEEE=x.dtype == torch.float32 or _INTERPRETED,
+               ACT=act, IEEE=ieee_products(x.dtype),
                BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128 if x.shape[1] >= 1024 else 64, num_warps=4, num_stages=3)
 
     @custom_op("hf_blockdiff::moe_experts", mutates_args=())

@@ -1,6 +1,21 @@
-"""Rounding inside Triton kernels, the same on GPUs and under TRITON_INTERPRET (whose bf16 casts truncate)."""
+"""Numerics inside Triton kernels, the same on GPUs and under TRITON_INTERPRET: rounding to a dtype (the
+interpreter's bf16 casts truncate) and the GEMM kernels' tile products (the interpreter multiplies bf16 tiles as raw
+bits)."""
+
+import os
+
+import torch
 
 from . import TRITON_AVAILABLE
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def ieee_products(dtype: torch.dtype) -> bool:
+    """`dot_t`'s IEEE flag for tiles of `dtype`: fp32 multiplies in IEEE fp32 (no TF32), and under the interpreter
+    every dtype goes to fp32 first (bf16 products are exact in fp32, as on the tensor cores, so only the summation
+    order differs)."""
+    return dtype == torch.float32 or INTERPRETED
 
 if TRITON_AVAILABLE:
     import triton
@@ -19,3 +34,10 @@ if TRITON_AVAILABLE:
         if dtype == tl.bfloat16:
             return round_bf16(x)
         return x.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def dot_t(x, w, acc, IEEE: tl.constexpr):
+        """acc + x·wᵀ, IEEE as `ieee_products` says."""
+        if IEEE:
+            return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        return tl.dot(x, tl.trans(w), acc)

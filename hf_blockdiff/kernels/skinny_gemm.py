@@ -18,8 +18,6 @@ tensor cores) and streams its weight rows once; fp32 accumulation, fp32 inputs m
 Outputs agree with `torch.nn.functional.linear` to the summation order.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -102,17 +100,7 @@ if TRITON_AVAILABLE:
     from torch.library import custom_op
 
     from .dependent_launch import allow_dependents, wait_inputs
-    from .rounding import round_to
-
-    # Triton's CPU interpreter multiplies bf16 tiles as raw bits: there the tiles go to fp32 first (bf16 products are
-    # exact in fp32, as on the tensor cores, so only the summation order differs)
-    _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-    @triton.jit
-    def _dot(x, w, acc, IEEE: tl.constexpr):
-        if IEEE:
-            return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        return tl.dot(x, tl.trans(w), acc)
+    from .rounding import dot_t, ieee_products, round_to
 
     @triton.jit
     def _store(acc, acc_up, b_ptr, r_ptr, y_ptr, cols, rm, rows, n, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
@@ -181,17 +169,17 @@ if TRITON_AVAILABLE:
             u = tl.load(w1 + w_offsets, mask=w_mask, other=0.0)
         wait_inputs(GDC)
         x = _x_tile(x_ptr, rm, rk, rows, K)
-        acc = _dot(x, w, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE)
+        acc = dot_t(x, w, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE)
         acc_up = acc
         if GATED:
-            acc_up = _dot(x, u, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE)
+            acc_up = dot_t(x, u, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             ks = k0 + rk
             x = _x_tile(x_ptr, rm, ks, rows, K)
             w_mask = (cols[:, None] < n) & (ks[None, :] < K)
-            acc = _dot(x, tl.load(w_ptr + w_offsets + k0, mask=w_mask, other=0.0), acc, IEEE)
+            acc = dot_t(x, tl.load(w_ptr + w_offsets + k0, mask=w_mask, other=0.0), acc, IEEE)
             if GATED:
-                acc_up = _dot(x, tl.load(w1 + w_offsets + k0, mask=w_mask, other=0.0), acc_up, IEEE)
+                acc_up = dot_t(x, tl.load(w1 + w_offsets + k0, mask=w_mask, other=0.0), acc_up, IEEE)
         _store(acc, acc_up, b_ptr, r_ptr, y_ptr, cols, rm, rows, n, HAS_BIAS, GATED, HAS_RESIDUAL)
 
     def _launch(x, weights, biases, outputs, gated, residual=None):
@@ -207,7 +195,7 @@ if TRITON_AVAILABLE:
         launch(_skinny_kernel, (programs,),
             x, *_three(weights), *_three(biases if has_bias else weights), *_three(outputs),
             outputs[0] if residual is None else residual, *widths, rows, width,
-            HAS_BIAS=has_bias, GATED=gated, IEEE=x.dtype == torch.float32 or _INTERPRETED, GDC=overlap,
+            HAS_BIAS=has_bias, GATED=gated, IEEE=ieee_products(x.dtype), GDC=overlap,
             HAS_RESIDUAL=residual is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages,
             **launch_options(overlap),

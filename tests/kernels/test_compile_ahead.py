@@ -55,9 +55,9 @@ def test_compile_ahead_skips_what_it_cannot_capture():
 
     ran = []
     cache = PagedBlockCache(2, 16)
-    graphs.compile_ahead(lambda: ran.append(1), torch.device("cpu"), cache)
+    graphs.compile_ahead(lambda: ran.append(1), torch.device("cpu"), cache, "norms")
     if torch.cuda.is_available():
-        graphs.compile_ahead(lambda: ran.append(1), torch.device("cuda"), cache)
+        graphs.compile_ahead(lambda: ran.append(1), torch.device("cuda"), cache, "norms")
     assert ran == [] and not cache.fully_allocated
 
 
