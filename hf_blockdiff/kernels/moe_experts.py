@@ -1,13 +1,15 @@
 """Mixture-of-experts layers at few tokens: the experts' two GEMMs where reading the expert weights is the work.
 
 `moe_experts(hidden, top_k_index, top_k_weights, gate_up, down, act)` is transformers' `grouped_mm` experts forward
-(`integrations/moe.py`: concatenated [gate; up] weights [E, 2I, H], down [E, H, I], no bias, `act(gate) * up`)
-in two launches. Pairs (token, chosen expert) are sorted by expert; a program per (expert, column tile) reads its
-expert's weight tile once for all of that expert's pairs, gathers their tokens' hidden states itself (no gathered
-copy), and returns at once for an expert no pair chose, so a decode step reads only the chosen experts' weights
-(SDAR-30B-A3B at batch 1: 32 of 128) and never launches per expert. The down projection writes each pair's row back
-in the pairs' original order, so the weighting and the sum over the top-k run as transformers runs them, in torch.
-Rounded as transformers rounds: each projection to the weights' dtype, the activation, the product.
+(`integrations/moe.py`: concatenated [gate; up] weights [E, 2I, H], down [E, H, I], no bias, `act(gate) * up`,
+weighted and summed over the top-k) in four launches. A counting sort groups the pairs (token, chosen expert) by
+expert, a program per expert (no `torch.sort`: a radix sort of 2,048 pairs took 29 us on an H200). A program per
+(expert, column tile) reads its expert's weight tile once for all of that expert's pairs, gathers their tokens'
+hidden states itself (no gathered copy), and returns at once for an expert no pair chose, so a decode step reads
+only the chosen experts' weights (SDAR-30B-A3B at batch 1: 32 of 128) and never launches per expert. The down
+projection writes each pair's row back in the pairs' original order, and a last launch weighs and sums each token's
+top-k rows (21 us as inductor's reduction, 4 here). Rounded as transformers rounds: each projection to the weights'
+dtype, the activation, the product, each weighted row in the promoted dtype, the sum in float32.
 
 Beyond `MAX_PAIRS_PER_EXPERT` pairs per expert on average the weight tiles would be re-read per group of rows and
 cuBLAS's grouped GEMM is the better kernel; callers check `few_pairs`. Reference: `moe_experts_reference`.
@@ -21,6 +23,7 @@ from .compile_ahead import launch
 
 MAX_PAIRS_PER_EXPERT = 32
 ACTIVATIONS = ("silu", "gelu_tanh")
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def activation(x: torch.Tensor, act: str) -> torch.Tensor:
@@ -40,6 +43,25 @@ def moe_experts_reference(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     return out.sum(1).to(hidden.dtype)
 
 
+def group_by_expert_reference(expert_of_pair: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, offsets), int32: the pairs stably sorted by expert, and expert e's pairs at order[offsets[e]:
+    offsets[e + 1]]."""
+    expert, order = torch.sort(expert_of_pair, stable=True)
+    bounds = torch.arange(experts + 1, device=expert.device, dtype=expert.dtype)
+    return order.int(), torch.searchsorted(expert, bounds).int()
+
+
+def weighted_sum_reference(pair_out: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' last step written out: each pair's row [T·k, H] times its weight [T, k] in the promoted dtype,
+    summed over the top-k in fp32, in order (torch's own sum orders fp32 terms its way: last-bit differences)."""
+    tokens, top_k = top_k_weights.shape
+    rows = pair_out.view(tokens, top_k, -1)
+    total = torch.zeros(tokens, rows.shape[2], dtype=torch.float32, device=pair_out.device)
+    for j in range(top_k):
+        total += (rows[:, j] * top_k_weights[:, j, None]).float()
+    return total.to(pair_out.dtype)
+
+
 def few_pairs(tokens: int, top_k: int, experts: int) -> bool:
     return tokens * top_k <= MAX_PAIRS_PER_EXPERT * experts
 
@@ -47,17 +69,12 @@ def few_pairs(tokens: int, top_k: int, experts: int) -> bool:
 def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
     """hidden [T, H], top_k_index / top_k_weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
-    _check(hidden, top_k_index, gate_up, down, act)
-    tokens, top_k = top_k_index.shape
-    expert_of_pair, order = torch.sort(top_k_index.reshape(-1))
-    boundaries = torch.arange(gate_up.shape[0] + 1, device=hidden.device, dtype=expert_of_pair.dtype)
-    offsets = torch.searchsorted(expert_of_pair, boundaries).to(torch.int32)  # expert e: pairs [off[e], off[e+1])
-    pair_out = torch.ops.hf_blockdiff.moe_experts(hidden, order, offsets, gate_up, down, ACTIVATIONS.index(act) + 1)
-    weighted = pair_out * top_k_weights.reshape(-1, 1)  # as transformers weights and sums: same dtypes, same order
-    return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+    _check(hidden, top_k_index, top_k_weights, gate_up, down, act)
+    return torch.ops.hf_blockdiff.moe_experts(hidden, top_k_index.contiguous(), top_k_weights.contiguous(), gate_up,
+                                              down, ACTIVATIONS.index(act) + 1)
 
 
-def _check(hidden, top_k_index, gate_up, down, act) -> None:
+def _check(hidden, top_k_index, top_k_weights, gate_up, down, act) -> None:
     require_triton("moe_experts")
     experts, double, width = gate_up.shape
     if hidden.dim() != 2 or hidden.shape[1] != width or not hidden.is_contiguous():
@@ -67,6 +84,9 @@ def _check(hidden, top_k_index, gate_up, down, act) -> None:
                          f"{list(gate_up.shape)}, got {list(down.shape)}")
     if top_k_index.dim() != 2 or top_k_index.shape[0] != hidden.shape[0]:
         raise ValueError(f"top_k_index must be [{hidden.shape[0]}, k], got {list(top_k_index.shape)}")
+    if top_k_weights.shape != top_k_index.shape or top_k_weights.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"top_k_weights must be {list(top_k_index.shape)} in one of {WEIGHT_DTYPES}, got "
+                         f"{list(top_k_weights.shape)} {top_k_weights.dtype}")
     if act not in ACTIVATIONS:
         raise ValueError(f"act must be one of {ACTIVATIONS}, got {act!r}")
 
@@ -121,6 +141,59 @@ if TRITON_AVAILABLE:
             tl.store(y_ptr + target[:, None].to(tl.int64) * N + cols[None, :], out.to(dtype),
                      mask=live[:, None] & (cols[None, :] < N))
 
+    @triton.jit
+    def _group_kernel(expert_ptr, order_ptr, offsets_ptr, pairs, experts, BLOCK: tl.constexpr):
+        """Program e: offsets[e] = pairs of experts before e; order[offsets[e]:] = e's pairs in pair order (a stable
+        counting sort, one program per expert over the few pairs of a decode step); offsets[E] = all pairs."""
+        e = tl.program_id(0)
+        before = tl.zeros([BLOCK], tl.int32)
+        for p0 in range(0, pairs, BLOCK):
+            p = p0 + tl.arange(0, BLOCK)
+            before += (tl.load(expert_ptr + p, mask=p < pairs, other=experts) < e).to(tl.int32)
+        start = tl.sum(before, 0)
+        tl.store(offsets_ptr + e, start)
+        seen = tl.zeros([BLOCK], tl.int32)
+        for p0 in range(0, pairs, BLOCK):
+            p = p0 + tl.arange(0, BLOCK)
+            mine = (tl.load(expert_ptr + p, mask=p < pairs, other=experts) == e).to(tl.int32)
+            tl.store(order_ptr + start + tl.sum(seen, 0) + tl.cumsum(mine, 0) - 1, p, mask=mine > 0)
+            seen += mine
+        if e == experts - 1:
+            tl.store(offsets_ptr + experts, start + tl.sum(seen, 0))
+
+    @triton.jit
+    def _combine_kernel(y_ptr, w_ptr, out_ptr, top_k, H, ROUND_PRODUCT: tl.constexpr, BLOCK_H: tl.constexpr):
+        """out[t] = Σ_j y[t·k + j] · w[t, j], as transformers weighs and sums: each product in the promoted dtype
+        (rounded to the pairs' dtype when the weights share it), the sum in float32, j in order."""
+        token = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = cols < H
+        dtype = out_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_H], tl.float32)
+        for j in range(top_k):
+            pair = token * top_k + j
+            y = tl.load(y_ptr + pair.to(tl.int64) * H + cols, mask=ok, other=0.0).to(tl.float32)
+            product = y * tl.load(w_ptr + pair).to(tl.float32)
+            acc += round_to(product, dtype) if ROUND_PRODUCT else product
+        tl.store(out_ptr + token.to(tl.int64) * H + cols, round_to(acc, dtype).to(dtype), mask=ok)
+
+    def group_by_expert(expert_of_pair: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`group_by_expert_reference` in one launch; expert_of_pair contiguous [P]."""
+        pairs = expert_of_pair.shape[0]
+        order = expert_of_pair.new_empty(pairs, dtype=torch.int32)
+        offsets = expert_of_pair.new_empty(experts + 1, dtype=torch.int32)
+        launch(_group_kernel, (experts,), expert_of_pair, order, offsets, pairs, experts,
+               BLOCK=min(1024, max(16, triton.next_power_of_2(pairs))))
+        return order, offsets
+
+    def weighted_sum(pair_out: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """`weighted_sum_reference` in one launch (products not fused into the sum: fp32 rounds as torch's do)."""
+        (tokens, top_k), width = top_k_weights.shape, pair_out.shape[1]
+        out = pair_out.new_empty(tokens, width)
+        launch(_combine_kernel, (tokens, triton.cdiv(width, 512)), pair_out, top_k_weights.contiguous(), out, top_k,
+               width, ROUND_PRODUCT=top_k_weights.dtype == pair_out.dtype, BLOCK_H=512, enable_fp_fusion=False)
+        return out
+
     def _grouped(x, order, offsets, weights, out, top_k, act):
         experts, width = weights.shape[0], out.shape[1]
         average = order.shape[0] / experts
@@ -128,18 +201,20 @@ if TRITON_AVAILABLE:
         launch(_experts_kernel, (experts, triton.cdiv(width, 64)),
                x, order, offsets, weights, out, top_k, x.shape[1], width,
                ACT=act, IEEE=ieee_products(x.dtype),
-               BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128 if x.shape[1] >= 1024 else 64, num_warps=4, num_stages=3)
+               BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128 if x.shape[1] >= 1024 else 64, num_warps=4,
+               num_stages=3 if act else 4)
 
     @custom_op("hf_blockdiff::moe_experts", mutates_args=())
-    def _moe_experts_op(hidden: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor,
-                        down: torch.Tensor, act: int) -> torch.Tensor:
-        pairs, top_k = order.shape[0], order.shape[0] // hidden.shape[0]
+    def _moe_experts_op(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        gate_up: torch.Tensor, down: torch.Tensor, act: int) -> torch.Tensor:
+        pairs, top_k = top_k_index.numel(), top_k_index.shape[1]
+        order, offsets = group_by_expert(top_k_index.view(-1), gate_up.shape[0])
         inner = hidden.new_empty(pairs, down.shape[2])
         _grouped(hidden, order, offsets, gate_up, inner, top_k, act)
-        out = hidden.new_empty(pairs, hidden.shape[1])
-        _grouped(inner, order, offsets, down, out, top_k, 0)
-        return out
+        pair_out = hidden.new_empty(pairs, hidden.shape[1])
+        _grouped(inner, order, offsets, down, pair_out, top_k, 0)
+        return weighted_sum(pair_out, top_k_weights)
 
     @_moe_experts_op.register_fake
-    def _moe_experts_shape(hidden, order, offsets, gate_up, down, act):
-        return hidden.new_empty(order.shape[0], hidden.shape[1])
+    def _moe_experts_shape(hidden, top_k_index, top_k_weights, gate_up, down, act):
+        return torch.empty_like(hidden)

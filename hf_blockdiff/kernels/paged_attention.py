@@ -52,15 +52,18 @@ def _auto_splits(programs, rows, block_d, capacity, device):
     from 193 to 19 us at prefix 8192, batch >= 32 is left unsplit), each split of at least 128 keys, or 384 for tiles
     of >= 256 (query, head) rows per KV head, whose partial states cost more to merge (H200, GPU time under a graph:
     a LLaDA-8B canvas of 384 queries 61 us in 3 splits, 19 us in one; Dream-7B's 512, 68 against 27; an SDAR-4B
-    prefill chunk after 2,048 keys 44 us in 9 splits, 34 in 4). Heads of dim >= 256 with that many rows are never
-    split (a DiffusionGemma canvas at batch 1, H100: 148 us split, 69 us not)."""
-    if device.type != "cuda" or (rows >= 256 and block_d >= 256):
+    prefill chunk after 2,048 keys 44 us in 9 splits, 34 in 4). Wide heads merge float32 partials of 1 or 2 KiB per
+    row: at most 3 splits for head dim 256 and 2 beyond (a DiffusionGemma canvas at batch 1 after 1,024 keys, H200:
+    sliding layers 67 us unsplit, 36 us in 3 splits; global layers, head dim 512, 148 us unsplit, 76 us in 2 splits
+    and 105 in 3)."""
+    if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= sms:
         return 1
     keys_per_split = 384 if rows >= 256 else 128
-    return max(1, min(triton.cdiv(2 * sms, programs), capacity // keys_per_split, 16))
+    most = 16 if block_d < 256 else 3 if block_d == 256 else 2
+    return max(1, min(triton.cdiv(2 * sms, programs), capacity // keys_per_split, most))
 
 
 def _dot_precision(q):
@@ -69,18 +72,34 @@ def _dot_precision(q):
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _block_m(rows, row_bytes):
-    """Query-tile rows: 128 for narrow heads, 64 up to head dim 256 (bf16), 32 beyond, where a [64, 512] float32
-    accumulator spills registers (DiffusionGemma's global layers, batch 16 on an H100: 4.0 ms at 64 rows, 1.2 ms
-    at 32)."""
-    if rows >= 128 and row_bytes <= 256:
-        return 128
-    return min(64 if row_bytes <= 512 else 32, max(16, triton.next_power_of_2(rows)))
+def _block_m(rows, block_d, element_size):
+    """Query-tile rows: 128 for narrow heads, 64 up to 512 bytes a row, 32 beyond, where a [64, 512] float32
+    accumulator spills registers under four warps (DiffusionGemma's global layers, batch 16 on an H100: 4.0 ms at 64
+    rows, 1.2 ms at 32). 16-bit heads of dim 256 and 512 (DiffusionGemma) take 128 and 64 rows under eight warps
+    (`_key_tiles`)."""
+    row_bytes = block_d * element_size
+    if _wide(block_d, element_size):
+        most = 128 if block_d == 256 else 64
+    elif rows >= 128 and row_bytes <= 256:
+        most = 128
+    else:
+        most = 64 if row_bytes <= 512 else 32
+    return min(most, max(16, triton.next_power_of_2(rows)))
 
 
-def _key_tiles(block_m, row_bytes, splits):
+def _wide(block_d, element_size):
+    return element_size == 2 and block_d in (256, 512)
+
+
+def _key_tiles(block_m, block_d, element_size, splits):
     """(key-tile rows, warps, pipeline stages): K and V tiles of at most 16 KiB each three stages deep (128 KiB of
-    shared memory with the q tile), or for heads wider than 256 (bf16) of 32 KiB two stages deep."""
+    shared memory with the q tile), or for heads wider than 256 (bf16) of 32 KiB two stages deep. 16-bit heads of
+    dim 256 and 512: 32 KiB tiles two stages deep under eight warps (on an H200 a DiffusionGemma canvas's sliding
+    layer went from 316 to 257 us at batch 16 against 64 query rows, four warps and three stages, and a global layer
+    from 1,199 to 1,118 us against 32 query rows and four warps)."""
+    row_bytes = block_d * element_size
+    if _wide(block_d, element_size):
+        return 32768 // row_bytes, 8, 2
     if block_m == 128 and row_bytes == 256 and splits == 1:
         return 32, 4, 3  # measured on an H200: ~10 % faster for head dim 128 on a full grid
     if row_bytes > 512:
@@ -109,13 +128,12 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
         return out
 
     block_d = max(16, triton.next_power_of_2(D))
-    row_bytes = block_d * q.element_size()
     rows = group * W
-    block_m = _block_m(rows, row_bytes)
+    block_m = _block_m(rows, block_d, q.element_size())
     m_tiles = triton.cdiv(rows, block_m)
     capacity = page_table.shape[1] * page_size
     splits = num_splits or _auto_splits(R * Hkv * m_tiles, rows, block_d, capacity, q.device)
-    block_n, num_warps, num_stages = _key_tiles(block_m, row_bytes, splits)
+    block_n, num_warps, num_stages = _key_tiles(block_m, block_d, q.element_size(), splits)
     split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     overlap = dependent_launch(q.device)
     if splits > 1:

@@ -64,3 +64,37 @@ def test_moe_experts_rejects_bad_shapes(device):
         moe_experts(x, index, weights, gate_up, down, "relu")
     with pytest.raises(ValueError, match="hidden must be"):
         moe_experts(x[:, :16], index, weights, gate_up, down, "silu")
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(3, 8, 2), (700, 64, 8), (5, 300, 4)])
+def test_group_by_expert_is_a_stable_sort(device, poisoned, tokens, experts, top_k):
+    """The counting sort against torch's stable sort, over several of its blocks (700 x 8 pairs), with experts
+    that no pair chose."""
+    from hf_blockdiff.kernels.moe_experts import group_by_expert, group_by_expert_reference
+
+    index = routed(tokens, experts, top_k, 8, 8, torch.float32, device, seed=tokens, unused=(0, 5))[1]
+    order, offsets = group_by_expert(index.reshape(-1), experts)
+    expected_order, expected_offsets = group_by_expert_reference(index.reshape(-1), experts)
+    assert torch.equal(offsets, expected_offsets) and torch.equal(order, expected_order)
+
+
+@pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                 (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
+def test_weighted_sum_rounds_as_transformers(device, poisoned, dtype, weight_dtype):
+    """transformers' weighting and top-k sum: products in the promoted dtype, the sum in fp32 in order: bit for bit
+    the reference, and transformers' own ops where the products are 16-bit (their sum in fp32 is then exact in any
+    order); fp32 products summed in torch's order may differ in the last bit of the fp32 sum."""
+    from hf_blockdiff.kernels.moe_experts import weighted_sum, weighted_sum_reference
+
+    generator = torch.Generator().manual_seed(11)
+    pair_out = (3 * torch.randn(40 * 6, 1000, generator=generator)).to(dtype).to(device)
+    weights = torch.softmax(torch.randn(40, 6, generator=generator), -1).to(weight_dtype).to(device)
+    out = weighted_sum(pair_out, weights)
+    assert torch.equal(out, weighted_sum_reference(pair_out, weights))
+    transformers = (pair_out * weights.reshape(-1, 1)).view(40, 6, -1).sum(dim=1).to(dtype)
+    if weight_dtype == torch.float32:  # fp32 rounding of 6 terms in another order, then one ulp of the output dtype
+        terms = (pair_out.float().abs() * weights.reshape(-1, 1)).view(40, 6, -1).sum(dim=1)
+        bound = 6 * torch.finfo(torch.float32).eps * terms + torch.finfo(dtype).eps * transformers.float().abs()
+        assert ((out.float() - transformers.float()).abs() <= bound).all()
+    else:
+        assert torch.equal(out, transformers)

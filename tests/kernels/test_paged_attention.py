@@ -117,7 +117,7 @@ def test_padded_and_large_head_dims(head_dim, device, assert_close, poisoned):
 @pytest.mark.parametrize("window", [None, 20])
 def test_wide_heads_over_a_canvas(window, dtype, device, assert_close, poisoned):
     """DiffusionGemma's global layers: head dim 512, 8 query heads per KV head, a bidirectional canvas after a cached
-    prefix (256 (query, head) rows per KV head: the 32-row tiles, never split); its sliding layers pass starts."""
+    prefix (256 (query, head) rows per KV head); its sliding layers pass starts."""
     limits = torch.tensor([[45] * 32, [70] * 32])
     starts = None if window is None else (limits - window).clamp(min=0)
     check(limits, 2, 8, 512, 16, dtype, device, assert_close, seed=5, starts=starts)
@@ -129,8 +129,9 @@ def test_wide_heads_over_a_canvas(window, dtype, device, assert_close, poisoned)
     (512, 128, 32, 2176, 5),  # a prefill chunk of narrow heads after 2,048 keys: splits of at least 384 keys
     (384, 128, 96, 384, 1),  # a LLaDA canvas: one split's worth of keys
     (3584, 128, 112, 512, 1),  # a Dream canvas (7 query heads per KV head)
-    (512, 256, 64, 8192, 1),  # a DiffusionGemma canvas: never split
-    (2048, 512, 128, 8192, 1),
+    (512, 256, 32, 1280, 3),  # a DiffusionGemma canvas at batch 1, sliding layers: at most 3 splits
+    (2048, 512, 64, 1280, 2),  # ... and global layers (head dim 512): at most 2
+    (512, 256, 512, 8192, 1),  # ... at batch 16: a full grid
     (16, 128, 264, 8192, 1),  # a full grid
 ])
 def test_auto_splits(rows, head_dim, programs, capacity, splits, monkeypatch):
@@ -156,6 +157,18 @@ def test_large_shapes_gpu(batch, page_size, block, assert_close):
         prefixes[-1] = 8192
         limits = window_limits(prefixes.tolist(), block, num_blocks)
         check(limits, 8, 4, 128, page_size, torch.bfloat16, "cuda", assert_close, seed=num_blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("head_dim,Hkv,window", [(256, 8, 1024), (512, 2, None)])
+def test_diffusion_gemma_canvas_shapes_gpu(batch, head_dim, Hkv, window, assert_close):
+    """A 256-token canvas after 1,024 cached keys in bfloat16, 16 query heads: the wide-head tiles, split in 3 (head
+    dim 256) or 2 (512) at batch 1 on a GPU of 132 SMs, against the float64 reference."""
+    limits = torch.full((batch, 256), 1024 + 256)
+    starts = None if window is None else (torch.arange(1024, 1280) - window + 1).clamp(min=0).expand(batch, 256)
+    check(limits, Hkv, 16 // Hkv, head_dim, 256, torch.bfloat16, "cuda", assert_close, seed=head_dim + batch,
+          starts=starts)
 
 
 def test_microbench_smoke(device):
