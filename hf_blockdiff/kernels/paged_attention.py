@@ -72,14 +72,13 @@ def _dot_precision(q):
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _block_m(rows, block_d, element_size):
+def _block_m(rows, row_bytes, wide):
     """Query-tile rows: 128 for narrow heads, 64 up to 512 bytes a row, 32 beyond, where a [64, 512] float32
     accumulator spills registers under four warps (DiffusionGemma's global layers, batch 16 on an H100: 4.0 ms at 64
-    rows, 1.2 ms at 32). 16-bit heads of dim 256 and 512 (DiffusionGemma) take 128 and 64 rows under eight warps
-    (`_key_tiles`)."""
-    row_bytes = block_d * element_size
-    if _wide(block_d, element_size):
-        most = 128 if block_d == 256 else 64
+    rows, 1.2 ms at 32); `wide` tiles (`_wide_tiles`): 128 rows for heads of 512 bytes, 64 beyond, under eight
+    warps."""
+    if wide:
+        most = 128 if row_bytes == 512 else 64
     elif rows >= 128 and row_bytes <= 256:
         most = 128
     else:
@@ -87,18 +86,29 @@ def _block_m(rows, block_d, element_size):
     return min(most, max(16, triton.next_power_of_2(rows)))
 
 
-def _wide(block_d, element_size):
-    return element_size == 2 and block_d in (256, 512)
+@functools.lru_cache(maxsize=None)
+def _shared_memory(device_index):
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
-def _key_tiles(block_m, block_d, element_size, splits):
+def _wide_tiles(block_d, q):
+    """16-bit heads of dim 256 and 512 (DiffusionGemma) where 192 KiB of shared memory fit (Hopper; not an A100's
+    164 KiB): bigger tiles, eight warps, two stages (`_key_tiles`)."""
+    if q.element_size() != 2 or block_d not in (256, 512):
+        return False
+    if q.device.type != "cuda":
+        return True  # the interpreter: the tests run these tiles
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _shared_memory(index) >= 192 * 1024
+
+
+def _key_tiles(block_m, row_bytes, wide, splits):
     """(key-tile rows, warps, pipeline stages): K and V tiles of at most 16 KiB each three stages deep (128 KiB of
-    shared memory with the q tile), or for heads wider than 256 (bf16) of 32 KiB two stages deep. 16-bit heads of
-    dim 256 and 512: 32 KiB tiles two stages deep under eight warps (on an H200 a DiffusionGemma canvas's sliding
-    layer went from 316 to 257 us at batch 16 against 64 query rows, four warps and three stages, and a global layer
-    from 1,199 to 1,118 us against 32 query rows and four warps)."""
-    row_bytes = block_d * element_size
-    if _wide(block_d, element_size):
+    shared memory with the q tile), or for heads wider than 256 (bf16) of 32 KiB two stages deep. `wide` tiles:
+    32 KiB K and V tiles two stages deep under eight warps (on an H200 a DiffusionGemma canvas's sliding layer went
+    from 316 to 257 us at batch 16 against 64 query rows, four warps and three stages, and a global layer from 1,199
+    to 1,118 us against 32 query rows and four warps)."""
+    if wide:
         return 32768 // row_bytes, 8, 2
     if block_m == 128 and row_bytes == 256 and splits == 1:
         return 32, 4, 3  # measured on an H200: ~10 % faster for head dim 128 on a full grid
@@ -129,11 +139,12 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
 
     block_d = max(16, triton.next_power_of_2(D))
     rows = group * W
-    block_m = _block_m(rows, block_d, q.element_size())
+    row_bytes, wide = block_d * q.element_size(), _wide_tiles(block_d, q)
+    block_m = _block_m(rows, row_bytes, wide)
     m_tiles = triton.cdiv(rows, block_m)
     capacity = page_table.shape[1] * page_size
     splits = num_splits or _auto_splits(R * Hkv * m_tiles, rows, block_d, capacity, q.device)
-    block_n, num_warps, num_stages = _key_tiles(block_m, block_d, q.element_size(), splits)
+    block_n, num_warps, num_stages = _key_tiles(block_m, row_bytes, wide, splits)
     split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     overlap = dependent_launch(q.device)
     if splits > 1:

@@ -142,6 +142,21 @@ def test_auto_splits(rows, head_dim, programs, capacity, splits, monkeypatch):
     assert module._auto_splits(programs, rows, head_dim, capacity, torch.device("cuda", 0)) == splits
 
 
+@pytest.mark.parametrize("head_dim,dtype,shared_kib,wide", [
+    (256, torch.bfloat16, 227, True), (512, torch.float16, 227, True),  # Hopper
+    (256, torch.bfloat16, 164, False),  # an A100: the 192 KiB of the wide tiles would not fit
+    (256, torch.float32, 227, False), (128, torch.bfloat16, 227, False),
+])
+def test_wide_tiles_only_where_they_fit(head_dim, dtype, shared_kib, wide, monkeypatch):
+    from types import SimpleNamespace
+
+    from hf_blockdiff.kernels import paged_attention as module
+
+    monkeypatch.setattr(module, "_shared_memory", lambda index: shared_kib * 1024)
+    q = SimpleNamespace(device=torch.device("cuda", 0), element_size=lambda: torch.finfo(dtype).bits // 8)
+    assert module._wide_tiles(head_dim, q) is wide
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_single_query_decode(dtype, device, assert_close, poisoned):
     check(torch.tensor([[1], [77], [0], [16]]), 2, 4, 128, 16, dtype, device, assert_close, seed=1)
