@@ -64,6 +64,10 @@ def test_moe_experts_rejects_bad_shapes(device):
         moe_experts(x, index, weights, gate_up, down, "relu")
     with pytest.raises(ValueError, match="hidden must be"):
         moe_experts(x[:, :16], index, weights, gate_up, down, "silu")
+    with pytest.raises(ValueError, match="top_k_weights must be"):
+        moe_experts(x, index, weights.double(), gate_up, down, "silu")
+    with pytest.raises(ValueError, match="top_k_weights must be"):
+        moe_experts(x, index, weights[:, :1], gate_up, down, "silu")
 
 
 @pytest.mark.parametrize("tokens, experts, top_k", [(3, 8, 2), (700, 64, 8), (5, 300, 4)])
