@@ -1,6 +1,10 @@
 """Compute kernels. Each Triton kernel has a plain-torch reference beside it; nothing here imports the rest of
 hf_blockdiff. Triton is optional: every module imports without it, and the torch references work without it."""
 
+import os
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (read when its kernels are defined)
+
 try:
     import triton  # noqa: F401
 

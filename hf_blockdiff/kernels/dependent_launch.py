@@ -12,11 +12,10 @@ dependencies. Off Hopper, on CPU and under TRITON_INTERPRET both calls compile t
 """
 
 import functools
-import os
 
 import torch
 
-from . import TRITON_AVAILABLE
+from . import INTERPRETED, TRITON_AVAILABLE
 
 
 @functools.cache
@@ -27,7 +26,7 @@ def _capable(index: int) -> bool:
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` launch as programmatic dependents (the kernels' `GDC` flag, `launch_options`):
     NVIDIA GPUs of compute capability ≥ 9 with Triton ≥ 3.4 (not ROCm, whose launcher has no such option)."""
-    if (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not GDC_AVAILABLE
+    if (device.type != "cuda" or INTERPRETED or not GDC_AVAILABLE
             or torch.version.hip is not None):
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())

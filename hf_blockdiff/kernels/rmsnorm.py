@@ -75,10 +75,9 @@ if TRITON_AVAILABLE:
         inside = (rows[:, None] < n_rows) & (cols[None, :] < width)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=inside, other=0.0)
         h = x.to(tl.float32)
-        if HAS_DELTA:  # the residual sum, rounded as torch rounds it (bf16 by bit arithmetic: exact under the
+        if HAS_DELTA:  # the residual sum, rounded as torch rounds it (round_to: also under the interpreter)
             d = tl.load(d_ptr + rows[:, None].to(tl.int64) * d_stride + cols[None, :], mask=inside, other=0.0)
-            h = h + d.to(tl.float32)  # interpreter too, whose casts truncate)
-            h = round_to(h, x.dtype)
+            h = round_to(h + d.to(tl.float32), x.dtype)
             tl.store(t_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], h.to(x.dtype), mask=inside)
         inv = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=1) / width + eps)
         normed = round_to(h * inv[:, None], x.dtype)

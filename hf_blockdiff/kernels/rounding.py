@@ -2,13 +2,9 @@
 interpreter's bf16 casts truncate) and the GEMM kernels' tile products (the interpreter multiplies bf16 tiles as raw
 bits)."""
 
-import os
-
 import torch
 
-from . import TRITON_AVAILABLE
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from . import INTERPRETED, TRITON_AVAILABLE
 
 
 def ieee_products(dtype: torch.dtype) -> bool:
