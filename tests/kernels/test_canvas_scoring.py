@@ -55,11 +55,13 @@ def test_fused_canvas_scores_refuse_other_dtypes(device):
         canvas_score_triton(logits, None, torch.tensor(1.0, device=device), seeds, counters, torch.float16)
 
 
-def test_default_launch_over_a_vocabulary_of_several_chunks(device, assert_close, poisoned):
-    """The launch the library uses (default chunk of 4096 columns) over a vocabulary that ends in a partial chunk."""
+@pytest.mark.parametrize("block_v", [None, 1024])
+def test_default_launch_over_a_vocabulary_of_several_chunks(block_v, device, assert_close, poisoned):
+    """The launches the library uses (default chunk of 4096 columns below 1,024 rows, 1,024 from there) over a
+    vocabulary that ends in a partial chunk."""
     logits, seeds, counters = step_inputs(3, 10_000, torch.bfloat16, device, seed=11)
     temperature = torch.tensor(0.5, device=device)
-    out = canvas_score_triton(logits, 30.0, temperature, seeds, counters, torch.bfloat16)
+    out = canvas_score_triton(logits, 30.0, temperature, seeds, counters, torch.bfloat16, block_v=block_v)
     ref = canvas_score_reference(logits, 30.0, temperature, seeds, counters, torch.bfloat16)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
     for got, expected in zip(out[2:4], ref[2:4]):
