@@ -37,3 +37,21 @@ def test_decoding_runs_the_kernel_and_keeps_the_tokens(monkeypatch):
     assert torch.equal(plain, fused)
     assert len(calls) >= 2 * 4 and min(calls) <= 12  # two MoE layers per forward, denoising forwards of 12 tokens
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_a_long_prefill_takes_the_grouped_gemm_and_keeps_the_tokens(monkeypatch):
+    """Prompts of 60-70 tokens: the prefill's 400 pairs over 8 experts are many (torch's grouped GEMM between the
+    kernels' grouping and weighted sum), the denoising forwards' few; tokens equal to the sdpa backend's."""
+    from hf_blockdiff.kernels.moe_experts import few_pairs
+
+    model = tiny_model("qwen3_moe", **MOE).to(DEVICE)
+    calls = []
+    kernel = fused_experts.moe_experts
+    monkeypatch.setattr(fused_experts, "moe_experts", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    ids, mask = left_pad(random_prompts((70, 64, 66), seed=6))
+    config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, threshold=0.6, eos_token_id=[],
+                                  attention="block_causal", alignment="absolute")
+    plain, fused = (model.generate_multi_block(ids.to(DEVICE), config.replace(attention_backend=backend),
+                                               attention_mask=mask.to(DEVICE)) for backend in ("sdpa", "triton"))
+    assert torch.equal(plain, fused)
+    assert any(not few_pairs(tokens, 2, 8) for tokens in calls) and any(few_pairs(tokens, 2, 8) for tokens in calls)

@@ -1,13 +1,13 @@
-"""transformers' MoE experts at few tokens on `kernels/moe_experts.py`, while decoding (docs/design.md, "Kernels and
-backends").
+"""transformers' MoE experts on `kernels/moe_experts.py` while decoding (docs/design.md, "Kernels and backends").
 
 transformers' experts classes (`@use_experts_implementation`: Qwen3-MoE's, so SDAR-MoE's, DiffusionGemma's, ...)
 run their experts as `config._experts_implementation` says, `grouped_mm` by default on GPUs: a sort, a gather, two
 cuBLAS grouped GEMMs, an activation, a weighted sum. `fused_experts(model)` gives the experts modules of the stock
 layout (concatenated gate/up, not transposed, no bias, no expert norm, the default gate with SiLU or tanh-GELU,
-plain contiguous weights, no hooks, not expert parallel) a forward that runs the two-launch kernel when the
-pairs are few per expert (`few_pairs`, decided by shapes: graph- and compile-safe) and the class's own forward
-otherwise; `fusion.decoding_mode` installs it for a block and removes it after.
+plain contiguous weights, no hooks, not expert parallel) a forward that runs `moe_experts`: its own GEMMs when the
+pairs are few per expert, torch's grouped GEMM between its own grouping and weighted sum when they are many (decided
+by shapes: graph- and compile-safe), the class's own forward where torch has no grouped GEMM.
+`fusion.decoding_mode` installs it for a block and removes it after.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import functools
 import torch
 
 from ..kernels import TRITON_AVAILABLE
-from ..kernels.moe_experts import few_pairs, moe_experts
+from ..kernels.moe_experts import computes, moe_experts
 from .fused_layers import unhooked
 
 try:
@@ -57,7 +57,7 @@ def fused_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]
 
 def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
-    if hidden_states.dtype != self.gate_up_proj.dtype or not few_pairs(*top_k_index.shape, self.num_experts):
+    if hidden_states.dtype != self.gate_up_proj.dtype or not computes(*top_k_index.shape, self.num_experts):
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     return moe_experts(hidden_states.contiguous(), top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                        _activation(self.act_fn))

@@ -1,8 +1,8 @@
-"""Mixture-of-experts layers at few tokens: the experts' two GEMMs where reading the expert weights is the work.
+"""Mixture-of-experts layers: transformers' `grouped_mm` experts forward without its sort, gathers and reductions.
 
 `moe_experts(hidden, top_k_index, top_k_weights, gate_up, down, act)` is transformers' `grouped_mm` experts forward
 (`integrations/moe.py`: concatenated [gate; up] weights [E, 2I, H], down [E, H, I], no bias, `act(gate) * up`,
-weighted and summed over the top-k) in four launches. A counting sort groups the pairs (token, chosen expert) by
+weighted and summed over the top-k). At few pairs per expert (`few_pairs`) it runs in four launches. A counting sort groups the pairs (token, chosen expert) by
 expert, a program per expert (no `torch.sort`: a radix sort of 2,048 pairs took 29 us on an H200). A program per
 (expert, column tile) reads its expert's weight tile once for all of that expert's pairs, gathers their tokens'
 hidden states itself (no gathered copy), and returns at once for an expert no pair chose, so a decode step reads
@@ -12,7 +12,10 @@ top-k rows (21 us as inductor's reduction, 4 here). Rounded as transformers roun
 dtype, the activation, the product, each weighted row in the promoted dtype, the sum in float32.
 
 Beyond `MAX_PAIRS_PER_EXPERT` pairs per expert on average the weight tiles would be re-read per group of rows and
-cuBLAS's grouped GEMM is the better kernel; callers check `few_pairs`. Reference: `moe_experts_reference`.
+torch's grouped GEMM is the better kernel: the same counting sort, one gather of the hidden rows into expert order,
+transformers' two `grouped_mm` calls and gate in torch, and the weighted sum reading each pair's row where the sort
+put it (no scatter back). At DiffusionGemma's batch 16 (32,768 pairs), inductor's gather and weighted sum of
+transformers' forward took 408 and 511 us per layer (H200). Reference: `moe_experts_reference`.
 """
 
 import torch
@@ -22,6 +25,7 @@ from . import TRITON_AVAILABLE, require_triton
 from .compile_ahead import launch
 
 MAX_PAIRS_PER_EXPERT = 32
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # torch >= 2.10 / 2.8
 ACTIVATIONS = ("silu", "gelu_tanh")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -43,19 +47,22 @@ def moe_experts_reference(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k
     return out.sum(1).to(hidden.dtype)
 
 
-def group_by_expert_reference(expert_of_pair: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, offsets), int32: the pairs stably sorted by expert, and expert e's pairs at order[offsets[e]:
-    offsets[e + 1]]."""
+def group_by_expert_reference(expert_of_pair: torch.Tensor, experts: int):
+    """(order, offsets, position), int32: the pairs stably sorted by expert, expert e's pairs at order[offsets[e]:
+    offsets[e + 1]], and where each pair went (order[position[p]] = p)."""
     expert, order = torch.sort(expert_of_pair, stable=True)
     bounds = torch.arange(experts + 1, device=expert.device, dtype=expert.dtype)
-    return order.int(), torch.searchsorted(expert, bounds).int()
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.shape[0], device=order.device)
+    return order.int(), torch.searchsorted(expert, bounds).int(), position.int()
 
 
-def weighted_sum_reference(pair_out: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' last step written out: each pair's row [T·k, H] times its weight [T, k] in the promoted dtype,
-    summed over the top-k in fp32, in order (torch's own sum orders fp32 terms its way: last-bit differences)."""
+def weighted_sum_reference(pair_out: torch.Tensor, top_k_weights: torch.Tensor, position=None) -> torch.Tensor:
+    """transformers' last step written out: each pair's row [T·k, H] (row position[p] for pair p when given) times
+    its weight [T, k] in the promoted dtype, summed over the top-k in fp32, in order (torch's own sum orders fp32
+    terms its way: last-bit differences)."""
     tokens, top_k = top_k_weights.shape
-    rows = pair_out.view(tokens, top_k, -1)
+    rows = (pair_out if position is None else pair_out[position.long()]).view(tokens, top_k, -1)
     total = torch.zeros(tokens, rows.shape[2], dtype=torch.float32, device=pair_out.device)
     for j in range(top_k):
         total += (rows[:, j] * top_k_weights[:, j, None]).float()
@@ -64,6 +71,11 @@ def weighted_sum_reference(pair_out: torch.Tensor, top_k_weights: torch.Tensor) 
 
 def few_pairs(tokens: int, top_k: int, experts: int) -> bool:
     return tokens * top_k <= MAX_PAIRS_PER_EXPERT * experts
+
+
+def computes(tokens: int, top_k: int, experts: int) -> bool:
+    """Whether `moe_experts` takes these shapes: few pairs always, many where torch has a grouped GEMM."""
+    return few_pairs(tokens, top_k, experts) or GROUPED_MM is not None
 
 
 def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -89,6 +101,10 @@ def _check(hidden, top_k_index, top_k_weights, gate_up, down, act) -> None:
                          f"{list(top_k_weights.shape)} {top_k_weights.dtype}")
     if act not in ACTIVATIONS:
         raise ValueError(f"act must be one of {ACTIVATIONS}, got {act!r}")
+    if not computes(*top_k_index.shape, experts):
+        raise ValueError(f"{top_k_index.numel()} pairs over {experts} experts need torch's grouped GEMM "
+                         "(torch.nn.functional.grouped_mm, torch >= 2.10): upgrade torch, or run the experts module's "
+                         "own forward (check moe_experts.computes first)")
 
 
 if TRITON_AVAILABLE:
@@ -142,9 +158,9 @@ if TRITON_AVAILABLE:
                      mask=live[:, None] & (cols[None, :] < N))
 
     @triton.jit
-    def _group_kernel(expert_ptr, order_ptr, offsets_ptr, pairs, experts, BLOCK: tl.constexpr):
+    def _group_kernel(expert_ptr, order_ptr, offsets_ptr, position_ptr, pairs, experts, BLOCK: tl.constexpr):
         """Program e: offsets[e] = pairs of experts before e; order[offsets[e]:] = e's pairs in pair order (a stable
-        counting sort, one program per expert over the few pairs of a decode step); offsets[E] = all pairs."""
+        counting sort, one program per expert), position[p] = where pair p went; offsets[E] = all pairs."""
         e = tl.program_id(0)
         before = tl.zeros([BLOCK], tl.int32)
         for p0 in range(0, pairs, BLOCK):
@@ -156,15 +172,19 @@ if TRITON_AVAILABLE:
         for p0 in range(0, pairs, BLOCK):
             p = p0 + tl.arange(0, BLOCK)
             mine = (tl.load(expert_ptr + p, mask=p < pairs, other=experts) == e).to(tl.int32)
-            tl.store(order_ptr + start + tl.sum(seen, 0) + tl.cumsum(mine, 0) - 1, p, mask=mine > 0)
+            slot = start + tl.sum(seen, 0) + tl.cumsum(mine, 0) - 1
+            tl.store(order_ptr + slot, p, mask=mine > 0)
+            tl.store(position_ptr + p, slot, mask=mine > 0)
             seen += mine
         if e == experts - 1:
             tl.store(offsets_ptr + experts, start + tl.sum(seen, 0))
 
     @triton.jit
-    def _combine_kernel(y_ptr, w_ptr, out_ptr, top_k, H, ROUND_PRODUCT: tl.constexpr, BLOCK_H: tl.constexpr):
-        """out[t] = Σ_j y[t·k + j] · w[t, j], as transformers weighs and sums: each product in the promoted dtype
-        (rounded to the pairs' dtype when the weights share it), the sum in float32, j in order."""
+    def _combine_kernel(y_ptr, w_ptr, position_ptr, out_ptr, top_k, H, ROUND_PRODUCT: tl.constexpr,
+                        GATHER: tl.constexpr, BLOCK_H: tl.constexpr):
+        """out[t] = Σ_j y[r] · w[t, j] with r = t·k + j (position[t·k + j] when GATHER), as transformers weighs and
+        sums: each product in the promoted dtype (rounded to the pairs' dtype when the weights share it), the sum in
+        float32, j in order."""
         token = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         ok = cols < H
@@ -172,26 +192,29 @@ if TRITON_AVAILABLE:
         acc = tl.zeros([BLOCK_H], tl.float32)
         for j in range(top_k):
             pair = token * top_k + j
-            y = tl.load(y_ptr + pair.to(tl.int64) * H + cols, mask=ok, other=0.0).to(tl.float32)
+            source = tl.load(position_ptr + pair) if GATHER else pair
+            y = tl.load(y_ptr + source.to(tl.int64) * H + cols, mask=ok, other=0.0).to(tl.float32)
             product = y * tl.load(w_ptr + pair).to(tl.float32)
             acc += round_to(product, dtype) if ROUND_PRODUCT else product
         tl.store(out_ptr + token.to(tl.int64) * H + cols, round_to(acc, dtype).to(dtype), mask=ok)
 
-    def group_by_expert(expert_of_pair: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def group_by_expert(expert_of_pair: torch.Tensor, experts: int):
         """`group_by_expert_reference` in one launch; expert_of_pair contiguous [P]."""
         pairs = expert_of_pair.shape[0]
-        order = expert_of_pair.new_empty(pairs, dtype=torch.int32)
+        order, position = (expert_of_pair.new_empty(pairs, dtype=torch.int32) for _ in range(2))
         offsets = expert_of_pair.new_empty(experts + 1, dtype=torch.int32)
-        launch(_group_kernel, (experts,), expert_of_pair, order, offsets, pairs, experts,
+        launch(_group_kernel, (experts,), expert_of_pair, order, offsets, position, pairs, experts,
                BLOCK=min(1024, max(16, triton.next_power_of_2(pairs))))
-        return order, offsets
+        return order, offsets, position
 
-    def weighted_sum(pair_out: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def weighted_sum(pair_out: torch.Tensor, top_k_weights: torch.Tensor, position=None) -> torch.Tensor:
         """`weighted_sum_reference` in one launch (products not fused into the sum: fp32 rounds as torch's do)."""
         (tokens, top_k), width = top_k_weights.shape, pair_out.shape[1]
         out = pair_out.new_empty(tokens, width)
-        launch(_combine_kernel, (tokens, triton.cdiv(width, 512)), pair_out, top_k_weights.contiguous(), out, top_k,
-               width, ROUND_PRODUCT=top_k_weights.dtype == pair_out.dtype, BLOCK_H=512, enable_fp_fusion=False)
+        launch(_combine_kernel, (tokens, triton.cdiv(width, 512)), pair_out, top_k_weights.contiguous(),
+               top_k_weights if position is None else position, out, top_k, width,
+               ROUND_PRODUCT=top_k_weights.dtype == pair_out.dtype, GATHER=position is not None, BLOCK_H=512,
+               enable_fp_fusion=False)
         return out
 
     def _grouped(x, order, offsets, weights, out, top_k, act):
@@ -208,12 +231,21 @@ if TRITON_AVAILABLE:
     def _moe_experts_op(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         gate_up: torch.Tensor, down: torch.Tensor, act: int) -> torch.Tensor:
         pairs, top_k = top_k_index.numel(), top_k_index.shape[1]
-        order, offsets = group_by_expert(top_k_index.view(-1), gate_up.shape[0])
+        order, offsets, position = group_by_expert(top_k_index.view(-1), gate_up.shape[0])
+        if not few_pairs(*top_k_index.shape, gate_up.shape[0]):
+            return _many_pairs(hidden, order, offsets, position, top_k_weights, gate_up, down, act)
         inner = hidden.new_empty(pairs, down.shape[2])
         _grouped(hidden, order, offsets, gate_up, inner, top_k, act)
         pair_out = hidden.new_empty(pairs, hidden.shape[1])
         _grouped(inner, order, offsets, down, pair_out, top_k, 0)
         return weighted_sum(pair_out, top_k_weights)
+
+    def _many_pairs(hidden, order, offsets, position, top_k_weights, gate_up, down, act):
+        """transformers' grouped_mm experts forward on the counting sort's grouping."""
+        ends = offsets[1:]
+        gate, up = GROUPED_MM(hidden[order // top_k_weights.shape[1]], gate_up.transpose(1, 2), offs=ends).chunk(2, -1)
+        pair_out = GROUPED_MM(activation(gate, ACTIVATIONS[act - 1]) * up, down.transpose(1, 2), offs=ends)
+        return weighted_sum(pair_out, top_k_weights, position)
 
     @_moe_experts_op.register_fake
     def _moe_experts_shape(hidden, top_k_index, top_k_weights, gate_up, down, act):

@@ -56,6 +56,53 @@ def test_moe_experts_equals_transformers_grouped_mm_forward(device):
     torch.testing.assert_close(moe_experts(x, index, weights, gate_up, down, "silu"), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_many_pairs_match_the_reference(device, poisoned, act):
+    """More pairs than the kernel's GEMMs take (300 over 4 experts): torch's grouped GEMM between the counting sort
+    and the gathering weighted sum, one expert without pairs."""
+    from hf_blockdiff.kernels.moe_experts import few_pairs
+
+    x, index, weights, gate_up, down = routed(150, 4, 2, 96, 48, torch.float32, device, unused=(2,))
+    assert not few_pairs(150, 2, 4)
+    out = moe_experts(x, index, weights, gate_up, down, act)
+    expected = moe_experts_reference(x.double(), index, weights.double(), gate_up.double(), down.double(), act)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_many_pairs_equal_transformers_grouped_mm_forward_bf16(device, weight_dtype):
+    """Bit for bit transformers' own `grouped_mm` forward in bfloat16 (the same grouped GEMMs and gate), the fp32
+    sum of fp32-weighted rows apart (another order: one bf16 ulp at most, rarely)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.integrations.moe import grouped_mm_experts_forward
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    x, index, weights, gate_up, down = routed(200, 4, 2, 64, 32, torch.bfloat16, device, seed=7)
+    weights = weights.to(weight_dtype)
+    experts = Qwen3MoeExperts(config).to(device, torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(gate_up)
+        experts.down_proj.copy_(down)
+        expected = grouped_mm_experts_forward(experts, x, index, weights)
+    out = moe_experts(x, index, weights, gate_up, down, "silu")
+    if weight_dtype == torch.bfloat16:
+        assert torch.equal(out, expected)
+    else:
+        ulps = (out.float() - expected.float()).abs() / (expected.float().abs() * 2**-8)
+        assert ulps.max() <= 1 and (ulps > 0).float().mean() < 0.01
+
+
+def test_many_pairs_without_a_grouped_gemm_are_refused(device, monkeypatch):
+    from hf_blockdiff.kernels import moe_experts as module
+
+    monkeypatch.setattr(module, "GROUPED_MM", None)
+    x, index, weights, gate_up, down = routed(150, 4, 2, 32, 16, torch.float32, device)
+    assert not module.computes(150, 2, 4) and module.computes(3, 2, 4)
+    with pytest.raises(ValueError, match="grouped GEMM"):
+        moe_experts(x, index, weights, gate_up, down, "silu")
+
+
 def test_moe_experts_rejects_bad_shapes(device):
     x, index, weights, gate_up, down = routed(3, 4, 2, 32, 16, torch.float32, device)
     with pytest.raises(ValueError, match="down must be"):
@@ -77,14 +124,17 @@ def test_group_by_expert_is_a_stable_sort(device, poisoned, tokens, experts, top
     from hf_blockdiff.kernels.moe_experts import group_by_expert, group_by_expert_reference
 
     index = routed(tokens, experts, top_k, 8, 8, torch.float32, device, seed=tokens, unused=(0, 5))[1]
-    order, offsets = group_by_expert(index.reshape(-1), experts)
-    expected_order, expected_offsets = group_by_expert_reference(index.reshape(-1), experts)
-    assert torch.equal(offsets, expected_offsets) and torch.equal(order, expected_order)
+    grouped = group_by_expert(index.reshape(-1), experts)
+    expected = group_by_expert_reference(index.reshape(-1), experts)
+    assert all(torch.equal(got, want) for got, want in zip(grouped, expected, strict=True))  # order, offsets, position
+    order, _, position = grouped
+    assert torch.equal(order[position.long()], torch.arange(order.shape[0], device=device, dtype=order.dtype))
 
 
 @pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                  (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
-def test_weighted_sum_rounds_as_transformers(device, poisoned, dtype, weight_dtype):
+@pytest.mark.parametrize("gathered", [False, True])
+def test_weighted_sum_rounds_as_transformers(device, poisoned, dtype, weight_dtype, gathered):
     """transformers' weighting and top-k sum: products in the promoted dtype, the sum in fp32 in order: bit for bit
     the reference, and transformers' own ops where the products are 16-bit (their sum in fp32 is then exact in any
     order); fp32 products summed in torch's order may differ in the last bit of the fp32 sum."""
@@ -93,8 +143,15 @@ def test_weighted_sum_rounds_as_transformers(device, poisoned, dtype, weight_dty
     generator = torch.Generator().manual_seed(11)
     pair_out = (3 * torch.randn(40 * 6, 1000, generator=generator)).to(dtype).to(device)
     weights = torch.softmax(torch.randn(40, 6, generator=generator), -1).to(weight_dtype).to(device)
-    out = weighted_sum(pair_out, weights)
-    assert torch.equal(out, weighted_sum_reference(pair_out, weights))
+    if gathered:  # each pair's row where a grouping put it: the same sums
+        position = torch.randperm(40 * 6, generator=generator).int().to(device)
+        moved = torch.empty_like(pair_out)
+        moved[position.long()] = pair_out
+        out = weighted_sum(moved, weights, position)
+        assert torch.equal(out, weighted_sum_reference(moved, weights, position))
+    else:
+        out = weighted_sum(pair_out, weights)
+        assert torch.equal(out, weighted_sum_reference(pair_out, weights))
     transformers = (pair_out * weights.reshape(-1, 1)).view(40, 6, -1).sum(dim=1).to(dtype)
     if weight_dtype == torch.float32:  # fp32 rounding of 6 terms in another order, then one ulp of the output dtype
         terms = (pair_out.float().abs() * weights.reshape(-1, 1)).view(40, 6, -1).sum(dim=1)
