@@ -122,6 +122,12 @@ if TRITON_AVAILABLE:
         return 0.5 * x * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * inner)))
 
     @triton.jit
+    def _gated(gate, up, dtype: tl.constexpr, ACT: tl.constexpr):
+        """act(gate)·up of float32 values already rounded to `dtype`, rounded as transformers' gate rounds: the
+        activation, then the product."""
+        return round_to(round_to(_activation(gate, ACT), dtype) * up, dtype)
+
+    @triton.jit
     def _experts_kernel(x_ptr, order_ptr, offsets_ptr, w_ptr, y_ptr, top_k, K, N,
                         ACT: tl.constexpr, IEEE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -153,9 +159,20 @@ if TRITON_AVAILABLE:
             out = round_to(acc, dtype)
             target = order if ACT == 0 else rm
             if ACT > 0:
-                out = round_to(round_to(_activation(out, ACT), dtype) * round_to(acc_up, dtype), dtype)
+                out = _gated(out, round_to(acc_up, dtype), dtype, ACT)
             tl.store(y_ptr + target[:, None].to(tl.int64) * N + cols[None, :], out.to(dtype),
                      mask=live[:, None] & (cols[None, :] < N))
+
+    @triton.jit
+    def _gate_kernel(x_ptr, y_ptr, inner, ACT: tl.constexpr, BLOCK: tl.constexpr):
+        """y[p] = act(gate)·up of x[p] = [gate; up] (each `inner` wide), as `_gated` rounds."""
+        pair = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < inner
+        gate = tl.load(x_ptr + pair * 2 * inner + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + pair * 2 * inner + inner + cols, mask=ok, other=0.0).to(tl.float32)
+        dtype = y_ptr.dtype.element_ty
+        tl.store(y_ptr + pair * inner + cols, _gated(gate, up, dtype, ACT).to(dtype), mask=ok)
 
     @triton.jit
     def _group_kernel(expert_ptr, order_ptr, offsets_ptr, position_ptr, pairs, experts, BLOCK: tl.constexpr):
@@ -203,8 +220,10 @@ if TRITON_AVAILABLE:
         pairs = expert_of_pair.shape[0]
         order, position = (expert_of_pair.new_empty(pairs, dtype=torch.int32) for _ in range(2))
         offsets = expert_of_pair.new_empty(experts + 1, dtype=torch.int32)
+        # chunks of pairs per step: H200, 2,048 pairs 6.6 -> 4.7 us at 1,024 under eight warps instead of four;
+        # 32,768 pairs (DiffusionGemma, batch 16) 45.7 -> 26.0 us at 4,096
         launch(_group_kernel, (experts,), expert_of_pair, order, offsets, position, pairs, experts,
-               BLOCK=min(1024, max(16, triton.next_power_of_2(pairs))))
+               BLOCK=4096 if pairs > 8192 else 1024, num_warps=8)
         return order, offsets, position
 
     def weighted_sum(pair_out: torch.Tensor, top_k_weights: torch.Tensor, position=None) -> torch.Tensor:
@@ -243,8 +262,12 @@ if TRITON_AVAILABLE:
     def _many_pairs(hidden, order, offsets, position, top_k_weights, gate_up, down, act):
         """transformers' grouped_mm experts forward on the counting sort's grouping."""
         ends = offsets[1:]
-        gate, up = GROUPED_MM(hidden[order // top_k_weights.shape[1]], gate_up.transpose(1, 2), offs=ends).chunk(2, -1)
-        pair_out = GROUPED_MM(activation(gate, ACTIVATIONS[act - 1]) * up, down.transpose(1, 2), offs=ends)
+        gate_up_out = GROUPED_MM(hidden[order // top_k_weights.shape[1]], gate_up.transpose(1, 2), offs=ends)
+        pairs, inner = gate_up_out.shape[0], down.shape[2]
+        gated = gate_up_out.new_empty(pairs, inner)
+        launch(_gate_kernel, (pairs, triton.cdiv(inner, 1024)), gate_up_out, gated, inner, ACT=act, BLOCK=1024,
+               num_warps=4)
+        pair_out = GROUPED_MM(gated, down.transpose(1, 2), offs=ends)
         return weighted_sum(pair_out, top_k_weights, position)
 
     @_moe_experts_op.register_fake

@@ -56,6 +56,15 @@ def test_moe_experts_equals_transformers_grouped_mm_forward(device):
     torch.testing.assert_close(moe_experts(x, index, weights, gate_up, down, "silu"), expected, rtol=1e-5, atol=1e-5)
 
 
+def bf16_ulps(a, b):
+    """How many bfloat16 values lie between a and b, elementwise (signed-magnitude bits to a monotone integer)."""
+    def ordinal(t):
+        bits = t.view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (ordinal(a) - ordinal(b)).abs()
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_many_pairs_match_the_reference(device, poisoned, act):
     """More pairs than the kernel's GEMMs take (300 over 4 experts): torch's grouped GEMM between the counting sort
@@ -70,14 +79,18 @@ def test_many_pairs_match_the_reference(device, poisoned, act):
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-def test_many_pairs_equal_transformers_grouped_mm_forward_bf16(device, weight_dtype):
-    """Bit for bit transformers' own `grouped_mm` forward in bfloat16 (the same grouped GEMMs and gate), the fp32
-    sum of fp32-weighted rows apart (another order: one bf16 ulp at most, rarely)."""
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_many_pairs_equal_transformers_grouped_mm_forward_bf16(device, weight_dtype, act):
+    """transformers' own `grouped_mm` forward in bfloat16 (the same grouped GEMMs): equal but for rare differences of
+    a few ulps. A gated value may differ by one ulp (the kernel's exponential is not torch's), which the down
+    projection carries into its outputs, and with fp32 routing weights the fp32 sum's order differs."""
     from transformers import Qwen3MoeConfig
     from transformers.integrations.moe import grouped_mm_experts_forward
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    hidden_act = "silu" if act == "silu" else "gelu_pytorch_tanh"
+    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                            hidden_act=hidden_act)
     x, index, weights, gate_up, down = routed(200, 4, 2, 64, 32, torch.bfloat16, device, seed=7)
     weights = weights.to(weight_dtype)
     experts = Qwen3MoeExperts(config).to(device, torch.bfloat16)
@@ -85,12 +98,9 @@ def test_many_pairs_equal_transformers_grouped_mm_forward_bf16(device, weight_dt
         experts.gate_up_proj.copy_(gate_up)
         experts.down_proj.copy_(down)
         expected = grouped_mm_experts_forward(experts, x, index, weights)
-    out = moe_experts(x, index, weights, gate_up, down, "silu")
-    if weight_dtype == torch.bfloat16:
-        assert torch.equal(out, expected)
-    else:
-        ulps = (out.float() - expected.float()).abs() / (expected.float().abs() * 2**-8)
-        assert ulps.max() <= 1 and (ulps > 0).float().mean() < 0.01
+    out = moe_experts(x, index, weights, gate_up, down, act)
+    ulps = bf16_ulps(out, expected)
+    assert ulps.max() <= 4 and (ulps > 0).float().mean() < 0.01
 
 
 def test_many_pairs_without_a_grouped_gemm_are_refused(device, monkeypatch):
@@ -117,10 +127,10 @@ def test_moe_experts_rejects_bad_shapes(device):
         moe_experts(x, index, weights[:, :1], gate_up, down, "silu")
 
 
-@pytest.mark.parametrize("tokens, experts, top_k", [(3, 8, 2), (700, 64, 8), (5, 300, 4)])
+@pytest.mark.parametrize("tokens, experts, top_k", [(3, 8, 2), (700, 64, 8), (1100, 64, 8), (5, 300, 4)])
 def test_group_by_expert_is_a_stable_sort(device, poisoned, tokens, experts, top_k):
-    """The counting sort against torch's stable sort, over several of its blocks (700 x 8 pairs), with experts
-    that no pair chose."""
+    """The counting sort against torch's stable sort, over several of its chunks (700 x 8 pairs in chunks of 1,024,
+    1,100 x 8 in chunks of 4,096), with experts that no pair chose."""
     from hf_blockdiff.kernels.moe_experts import group_by_expert, group_by_expert_reference
 
     index = routed(tokens, experts, top_k, 8, 8, torch.float32, device, seed=tokens, unused=(0, 5))[1]
