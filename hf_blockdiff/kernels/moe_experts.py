@@ -25,7 +25,8 @@ from . import TRITON_AVAILABLE, require_triton
 from .compile_ahead import launch
 
 MAX_PAIRS_PER_EXPERT = 32
-GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # torch >= 2.10 / 2.8
+# torch >= 2.10 (transformers notes that the private torch._grouped_mm of torch <= 2.8 runs on Hopper only)
+GROUPED_MM = getattr(F, "grouped_mm", None)
 ACTIVATIONS = ("silu", "gelu_tanh")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
