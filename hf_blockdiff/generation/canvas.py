@@ -21,7 +21,7 @@ from ..attention import AttentionBackend
 from ..cache import PagedBlockCache
 from ..scheduler.canvas import CanvasRules, CanvasState, CounterNoise, TorchOrderNoise
 from .engine import Results, nonfinite_error
-from .graphs import compile_ahead
+from .graphs import capturing, compile_ahead
 
 
 class CanvasModel(Protocol):
@@ -129,13 +129,13 @@ class CanvasEngine:
         if self.graph is not None:
             self.graph.replay()
         else:
-            capture = self.run.graphs and self.state.canvas.is_cuda
-            if capture:
+            graphed = self.run.graphs and self.state.canvas.is_cuda
+            if graphed:
                 compile_ahead(self.denoise_step, self.state.canvas.device, self.cache, self.run.fusion)
             self.denoise_step()
-            if capture:
+            if graphed:
                 self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
+                with capturing(self.graph):
                     self.denoise_step()
         self.forwards += 1
 

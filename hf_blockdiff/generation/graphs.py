@@ -10,10 +10,18 @@ fixed-shape steps run eagerly, which is how the CPU tests check them against the
 
 Before the first step of a graphed engine whose layers are not torch.compile'd, `compile_ahead` compiles the step's
 Triton kernels in parallel (a cold process's first call: README "Cold start").
+
+Every capture runs with Python's cyclic garbage collector paused (`capturing`): torch no longer collects before a
+capture (`torch.compiler.config.force_cudagraph_gc` is off by default), so a collection that happens to start inside
+one can free an earlier engine's graphs, and their reset (freeing graph memory) is an operation a capture forbids:
+the capture fails with "operation failed due to a previous error during capture".
 """
 
 from __future__ import annotations
 
+import gc
+import threading
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -33,6 +41,35 @@ def capacity_buckets(slots: int, most: int) -> list[int]:
     return sorted({min(b, most) for b in buckets} | {most})
 
 
+_GC_LOCK = threading.Lock()
+_GC_PAUSES = [0, False]  # captures under way in this process; whether the collector was on before the first
+
+
+@contextmanager
+def paused_gc():
+    """Python's cyclic garbage collector off inside (nested and across threads: on again, if it was, when the last
+    one leaves)."""
+    with _GC_LOCK:
+        if _GC_PAUSES[0] == 0:
+            _GC_PAUSES[1] = gc.isenabled()
+            gc.disable()
+        _GC_PAUSES[0] += 1
+    try:
+        yield
+    finally:
+        with _GC_LOCK:
+            _GC_PAUSES[0] -= 1
+            if _GC_PAUSES[0] == 0 and _GC_PAUSES[1]:
+                gc.enable()
+
+
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, **kwargs):
+    """`torch.cuda.graph(graph, **kwargs)` with the garbage collector paused (module docstring)."""
+    with paused_gc(), torch.cuda.graph(graph, **kwargs):
+        yield
+
+
 def compile_ahead(program: Callable[[], None], device: torch.device, cache: PagedBlockCache, fusion: str) -> None:
     """Compile the Triton kernels `program` launches, in parallel, without running it: inside
     `kernels.compile_ahead.compiling_ahead` it is captured into a graph that is thrown away, so nothing it enqueues
@@ -45,7 +82,7 @@ def compile_ahead(program: Callable[[], None], device: torch.device, cache: Page
         graph = torch.cuda.CUDAGraph()
         # relaxed: the program may meet an op for the first time here (the real capture comes after eager steps),
         # whose lazy set-up (cuBLAS's, ...) makes calls a stricter capture refuses; this graph is never replayed
-        with torch.cuda.graph(graph, capture_error_mode="relaxed"):
+        with capturing(graph, capture_error_mode="relaxed"):
             program()
 
 
@@ -84,7 +121,7 @@ class StepGraphs:
             self.decode_step(capacity, self.logit_capacity)
         if self.capture:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with capturing(graph, pool=self.pool):
                 for _ in range(steps):
                     self.decode_step(capacity, self.logit_capacity)
             self.graphs[capacity] = graph

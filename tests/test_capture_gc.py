@@ -1,0 +1,90 @@
+"""Captures run with the cyclic garbage collector paused (generation/graphs.py, `capturing`): a collection inside a
+capture could free an earlier engine's graphs, whose reset a capture forbids."""
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from hf_blockdiff.generation.graphs import capturing, paused_gc
+
+
+@pytest.fixture
+def collector_on():
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+def test_the_collector_is_off_inside_and_back_after(collector_on):
+    with paused_gc():
+        assert not gc.isenabled()
+        with paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(KeyError), paused_gc():
+        raise KeyError("inside")
+    assert gc.isenabled()
+
+
+def test_a_collector_that_was_off_stays_off(collector_on):
+    gc.disable()
+    with paused_gc():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_threads_overlapping_leave_it_on_only_when_the_last_leaves(collector_on):
+    entered, release = threading.Event(), threading.Event()
+
+    def other():
+        with paused_gc():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other)
+    with paused_gc():
+        thread.start()
+        assert entered.wait(10)
+    assert not gc.isenabled()  # the other thread is still inside
+    release.set()
+    thread.join(10)
+    assert gc.isenabled()
+
+
+class _Cycle:
+    """An object in a reference cycle (freed only by a collection) holding a captured graph."""
+
+    def __init__(self, graph):
+        self.graph, self.me = graph, self
+
+
+@pytest.mark.gpu
+def test_a_capture_survives_earlier_graphs_becoming_garbage(collector_on):
+    """Graphs left in reference cycles, and a collector set to run at every allocation: a plain capture would
+    collect them inside the capture (their reset invalidates it); `capturing` leaves them for after."""
+    x = torch.zeros(4, device="cuda")
+    for _ in range(4):
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph):
+            x.add_(1)
+        _Cycle(graph)
+    del graph
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph):
+            x.mul_(2)
+            junk = [[object()] for _ in range(1000)]  # allocations that would start a collection
+        del junk
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    x.fill_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 2.0))
