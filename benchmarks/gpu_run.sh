@@ -54,12 +54,13 @@ build_model('sdar-4b', None, 'cuda', torch.bfloat16).save_pretrained('/tmp/sdar-
         # shellcheck disable=SC2086
         python3 -m hf_blockdiff.cli bench --shape llada2-mini --prompt-len 256 --new-tokens 256 --batch-size "$b" \
           $editing --json | tail -1 | tee -a "$OUT/bench.jsonl"; done; done ;;
-    dgemma)  # DiffusionGemma 26B-A4B shapes (random weights) against transformers' generate: its GPU tests, 4 layers at
-      # batch 1 and 16, all 30 layers at batch 1
-      python3 -m pytest -q tests/kernels/test_canvas_scoring.py tests/models/test_diffusion_gemma_inputs.py \
-        tests/models/test_diffusion_gemma.py tests/models/test_experts_capture.py tests/kernels/test_paged_attention.py -rA 2>&1 \
-        | tee "$OUT/dgemma_tests.log" | tail -6
-      for args in "--layers 4 --batch-size 1" "--layers 4 --batch-size 16" "--batch-size 1"; do
+    dgemma)  # DiffusionGemma 26B-A4B shapes (random weights) against transformers' generate: its GPU tests, all 30
+      # layers at batch 1 and 16 (the batch-16 row needs an H200's memory), 4 layers at batch 1 and 16
+      python3 -m pytest -q tests/kernels/test_canvas_scoring.py tests/kernels/test_moe_experts_kernel.py \
+        tests/kernels/test_paged_attention.py -rA 2>&1 | tee "$OUT/dgemma_tests.log" | tail -3
+      python3 -m pytest -q tests/models/test_diffusion_gemma_inputs.py tests/models/test_diffusion_gemma.py \
+        tests/models/test_experts_capture.py tests/test_fused_experts.py -rA 2>&1 | tee -a "$OUT/dgemma_tests.log" | tail -3
+      for args in "--batch-size 1" "--batch-size 16" "--layers 4 --batch-size 1" "--layers 4 --batch-size 16"; do
         # shellcheck disable=SC2086
         python3 -m hf_blockdiff.cli bench --shape diffusion-gemma-26b-a4b --prompt-len 1024 --new-tokens 1024 $args \
           --json | tail -1 | tee -a "$OUT/bench.jsonl"; done ;;
