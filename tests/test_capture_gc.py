@@ -55,6 +55,32 @@ def test_threads_overlapping_leave_it_on_only_when_the_last_leaves(collector_on)
     assert gc.isenabled()
 
 
+def test_captures_run_with_the_collector_off(collector_on, monkeypatch):
+    """`capturing` around torch.cuda.graph (stubbed here: no GPU), and no capture in the package outside it."""
+    import contextlib
+    import inspect
+    import pathlib
+
+    seen = []
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, **kwargs):
+        seen.append((cuda_graph, kwargs, gc.isenabled()))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    with capturing("g", pool="p"):
+        assert not gc.isenabled()
+    assert seen == [("g", {"pool": "p"}, False)] and gc.isenabled()
+    from hf_blockdiff.generation import graphs
+
+    lines, start = inspect.getsourcelines(graphs.capturing.__wrapped__)
+    package = pathlib.Path(graphs.__file__).parents[1]
+    direct = [(path.name, number) for path in package.rglob("*.py")
+              for number, line in enumerate(path.read_text().splitlines(), 1) if "torch.cuda.graph(" in line]
+    assert direct and all(name == "graphs.py" and start <= number < start + len(lines) for name, number in direct)
+
+
 class _Cycle:
     """An object in a reference cycle (freed only by a collection) holding a captured graph."""
 
@@ -64,8 +90,8 @@ class _Cycle:
 
 @pytest.mark.gpu
 def test_a_capture_survives_earlier_graphs_becoming_garbage(collector_on):
-    """Graphs left in reference cycles, and a collector set to run at every allocation: a plain capture would
-    collect them inside the capture (their reset invalidates it); `capturing` leaves them for after."""
+    """Graphs left in reference cycles, and inside the capture a collector set to run at every allocation: a plain
+    capture would collect them there (their reset invalidates it); `capturing` leaves them for after."""
     x = torch.zeros(4, device="cuda")
     for _ in range(4):
         graph = torch.cuda.CUDAGraph()
@@ -74,10 +100,10 @@ def test_a_capture_survives_earlier_graphs_becoming_garbage(collector_on):
         _Cycle(graph)
     del graph
     thresholds = gc.get_threshold()
-    gc.set_threshold(1, 1, 1)
     try:
         graph = torch.cuda.CUDAGraph()
         with capturing(graph):
+            gc.set_threshold(1, 1, 1)
             x.mul_(2)
             junk = [[object()] for _ in range(1000)]  # allocations that would start a collection
         del junk

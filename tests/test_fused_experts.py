@@ -55,3 +55,21 @@ def test_a_long_prefill_takes_the_grouped_gemm_and_keeps_the_tokens(monkeypatch)
                                                attention_mask=mask.to(DEVICE)) for backend in ("sdpa", "triton"))
     assert torch.equal(plain, fused)
     assert any(not few_pairs(tokens, 2, 8) for tokens in calls) and any(few_pairs(tokens, 2, 8) for tokens in calls)
+
+
+def test_many_pairs_keep_the_class_forward_where_the_grouped_gemm_reads_back(monkeypatch):
+    """Where torch's grouped GEMM would read the group sizes back to the host (an A100, fp32 weights:
+    `grouped_mm_captures` false when the forwards are installed), the long prefill's many pairs run the class's own
+    forward; the few pairs of the denoising forwards still take the op."""
+    from hf_blockdiff.kernels.moe_experts import few_pairs
+
+    monkeypatch.setattr(fused_experts, "grouped_mm_captures", lambda weight: False)
+    model = tiny_model("qwen3_moe", **MOE).to(DEVICE)
+    calls = []
+    kernel = fused_experts.moe_experts
+    monkeypatch.setattr(fused_experts, "moe_experts", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    ids, mask = left_pad(random_prompts((70, 64, 66), seed=6))
+    config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, threshold=0.6, eos_token_id=[],
+                                  attention="block_causal", alignment="absolute", attention_backend="triton")
+    model.generate_multi_block(ids.to(DEVICE), config, attention_mask=mask.to(DEVICE))
+    assert calls and all(few_pairs(tokens, 2, 8) for tokens in calls)

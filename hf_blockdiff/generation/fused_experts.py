@@ -6,7 +6,8 @@ cuBLAS grouped GEMMs, an activation, a weighted sum. `fused_experts(model)` give
 layout (concatenated gate/up, not transposed, no bias, no expert norm, the default gate with SiLU or tanh-GELU,
 plain contiguous weights, no hooks, not expert parallel) a forward that runs `moe_experts`: its own GEMMs when the
 pairs are few per expert, torch's grouped GEMM between its own grouping and weighted sum when they are many (decided
-by shapes: graph- and compile-safe), the class's own forward where torch has no grouped GEMM.
+by shapes: graph- and compile-safe), and the class's own forward for many pairs where torch's grouped GEMM would
+read back to the host (`grouped_mm_captures`, decided when the forward is installed).
 `fusion.decoding_mode` installs it for a block and removes it after.
 """
 
@@ -17,7 +18,7 @@ import functools
 import torch
 
 from ..kernels import TRITON_AVAILABLE
-from ..kernels.moe_experts import computes, moe_experts
+from ..kernels.moe_experts import few_pairs, grouped_mm_captures, moe_experts
 from .fused_layers import unhooked
 
 try:
@@ -52,12 +53,15 @@ def fused_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]
     """(module, forward) for every stock experts module of the model (none without Triton)."""
     if not TRITON_AVAILABLE:
         return []
-    return [(m, _experts_forward.__get__(m)) for m in model.modules() if _stock(m)]
+    return [(m, functools.partial(_experts_forward, m, grouped_mm_captures(m.gate_up_proj)))
+            for m in model.modules() if _stock(m)]
 
 
-def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def _experts_forward(self, many_pairs: bool, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
-    if hidden_states.dtype != self.gate_up_proj.dtype or not computes(*top_k_index.shape, self.num_experts):
+    """`many_pairs`: whether many pairs per expert may go to torch's grouped GEMM (`grouped_mm_captures`)."""
+    taken = many_pairs or few_pairs(*top_k_index.shape, self.num_experts)
+    if hidden_states.dtype != self.gate_up_proj.dtype or not taken:
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     return moe_experts(hidden_states.contiguous(), top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                        _activation(self.act_fn))

@@ -7,8 +7,8 @@ attention stay eager between the compiled pieces). With either fusion the stock 
 op and their q/k norms and rotary embedding in the cache's write kernel, and with `skinny=True` (the executor's
 choice when its denoising forwards hold few tokens) the stock gated MLPs run as skinny-GEMM ops too, and with
 `fusion="norms"` the stock decoder layers with their residual adds fused (`fused_layers.py`); with either fusion the
-stock MoE experts run on the experts kernel when their pairs are few (`fused_experts.py`). Everything is restored
-after, also when the block raises.
+stock MoE experts run on the experts op (`fused_experts.py`). Everything is restored after, also when the block
+raises.
 """
 
 from __future__ import annotations

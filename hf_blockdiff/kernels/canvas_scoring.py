@@ -107,9 +107,10 @@ if TRITON_AVAILABLE:
     def _lane_update(z, m, s):
         """Per lane (no reduction across lanes): the new running max and Σ e^(z − max), one exponential per value
         (e^(m − z) rescales the sum when z is the new max, else e^(z − m) is the new term); also z − m, that
-        exponential and whether z is the new max."""
+        exponential and whether z is the new max. m starts finite (-1e30), so past the vocabulary (z = -inf) e is 0;
+        a nan value makes the lane's sum nan, so the row's entropy shows it (scheduler.canvas stops the call)."""
         d = z - m
-        e = tl.where(d == d, tl.exp(-tl.abs(d)), 0.0)  # -inf − -inf (past the vocabulary, or nan): no term
+        e = tl.exp(-tl.abs(d))
         up = z > m
         return tl.maximum(m, z), tl.where(up, s * e + 1.0, s + e), d, e, up
 

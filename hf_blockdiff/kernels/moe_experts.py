@@ -2,8 +2,9 @@
 
 `moe_experts(hidden, top_k_index, top_k_weights, gate_up, down, act)` is transformers' `grouped_mm` experts forward
 (`integrations/moe.py`: concatenated [gate; up] weights [E, 2I, H], down [E, H, I], no bias, `act(gate) * up`,
-weighted and summed over the top-k). At few pairs per expert (`few_pairs`) it runs in four launches. A counting sort groups the pairs (token, chosen expert) by
-expert, a program per expert (no `torch.sort`: a radix sort of 2,048 pairs took 29 us on an H200). A program per
+weighted and summed over the top-k). At few pairs per expert (`few_pairs`) it runs in four launches. A counting
+sort groups the pairs (token, chosen expert) by expert, a program per expert (no `torch.sort`: a radix sort of 2,048
+pairs took 29 us on an H200). A program per
 (expert, column tile) reads its expert's weight tile once for all of that expert's pairs, gathers their tokens'
 hidden states itself (no gathered copy), and returns at once for an expert no pair chose, so a decode step reads
 only the chosen experts' weights (SDAR-30B-A3B at batch 1: 32 of 128) and never launches per expert. The down
@@ -13,9 +14,11 @@ dtype, the activation, the product, each weighted row in the promoted dtype, the
 
 Beyond `MAX_PAIRS_PER_EXPERT` pairs per expert on average the weight tiles would be re-read per group of rows and
 torch's grouped GEMM is the better kernel: the same counting sort, one gather of the hidden rows into expert order,
-transformers' two `grouped_mm` calls and gate in torch, and the weighted sum reading each pair's row where the sort
-put it (no scatter back). At DiffusionGemma's batch 16 (32,768 pairs), inductor's gather and weighted sum of
-transformers' forward took 408 and 511 us per layer (H200). Reference: `moe_experts_reference`.
+transformers' two `grouped_mm` calls with the gate in one launch between them, and the weighted sum reading each
+pair's row where the sort put it (no scatter back). At DiffusionGemma's batch 16 (32,768 pairs), inductor's gather
+and weighted sum of transformers' forward took 408 and 511 us per layer (H200). torch's grouped GEMM reads the group
+sizes back to the host except for bfloat16 on compute capability 9.0 and 10.0, so only there may a CUDA graph
+capture it (`grouped_mm_captures`). Reference: `moe_experts_reference`.
 """
 
 import torch
@@ -77,6 +80,17 @@ def few_pairs(tokens: int, top_k: int, experts: int) -> bool:
 def computes(tokens: int, top_k: int, experts: int) -> bool:
     """Whether `moe_experts` takes these shapes: few pairs always, many where torch has a grouped GEMM."""
     return few_pairs(tokens, top_k, experts) or GROUPED_MM is not None
+
+
+def grouped_mm_captures(weight: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM runs on weights like `weight` without reading anything back to the host, so that
+    a CUDA graph may capture it: bfloat16 on compute capability 9.0 or 10.0 (its CUTLASS kernel; elsewhere it loops
+    over the groups with their sizes read on the host). Off CUDA, where nothing is captured, wherever it exists."""
+    if GROUPED_MM is None:
+        return False
+    if weight.device.type != "cuda":
+        return True
+    return weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(weight.device) in ((9, 0), (10, 0))
 
 
 def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

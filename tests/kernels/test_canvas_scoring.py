@@ -78,3 +78,32 @@ def test_rows_of_nan_give_token_zero_and_nonfinite_entropy(device):
                               block_v=256)
     assert out[0][0] == 0 and out[1][0] == 0 and torch.isnan(out[2][0])
     assert 0 < out[1][1] < 1003 and torch.isfinite(out[2][1])
+
+
+def test_one_nan_or_infinities_make_the_row_nonfinite(device):
+    """A single nan among finite logits, and ±inf beside a nan under the soft cap (an overflowed hidden state), are
+    not dropped: the row's entropy and log-probability come out non-finite, as the reference's, and the ids stay in
+    the vocabulary."""
+    logits, seeds, counters = step_inputs(3, 1003, torch.float32, device, seed=5)
+    logits[0, 17] = float("nan")
+    logits[1, 3], logits[1, 40], logits[1, 900] = float("inf"), float("-inf"), float("nan")
+    temperature = torch.tensor(0.7, device=device)
+    out = canvas_score_triton(logits, 30.0, temperature, seeds, counters, torch.float32, block_v=256)
+    ref = canvas_score_reference(logits, 30.0, temperature, seeds, counters, torch.float32)
+    for row in (0, 1):
+        assert not torch.isfinite(ref[2][row]) and not torch.isfinite(out[2][row])
+        assert not torch.isfinite(out[3][row])
+        assert 0 <= out[0][row] < 1003 and 0 <= out[1][row] < 1003
+    assert torch.isfinite(out[2][2]) and torch.isfinite(out[3][2])
+
+
+def test_tied_maxima_give_the_lowest_id(device):
+    """Equal largest logits in one lane of one chunk, in two lanes, and in two chunks: the argmax is the lowest id,
+    as torch's."""
+    logits, seeds, counters = step_inputs(3, 1003, torch.float32, device, seed=6)
+    top = logits.amax(dim=1, keepdim=True) + 1
+    for row, ids in enumerate([(300, 44), (45, 44), (900, 301)]):  # chunks of 256: same lane; two lanes; two chunks
+        logits[row, list(ids)] = top[row]
+    out = canvas_score_triton(logits, None, torch.tensor(1.0, device=device), seeds, counters, torch.float32,
+                              block_v=256)
+    assert out[1].tolist() == [44, 44, 301]

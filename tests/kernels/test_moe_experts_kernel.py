@@ -113,6 +113,28 @@ def test_many_pairs_without_a_grouped_gemm_are_refused(device, monkeypatch):
         moe_experts(x, index, weights, gate_up, down, "silu")
 
 
+def test_many_pairs_are_captured_only_where_the_grouped_gemm_reads_nothing_back(monkeypatch):
+    """bfloat16 on compute capability 9.0 and 10.0 (torch's CUTLASS grouped GEMM); other dtypes and GPUs loop over the
+    groups with their sizes read on the host, which a CUDA graph cannot capture; off CUDA nothing is captured."""
+    from types import SimpleNamespace
+
+    from hf_blockdiff.kernels import moe_experts as module
+
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    gpu = lambda dtype: SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype)  # noqa: E731
+    assert module.grouped_mm_captures(gpu(torch.bfloat16))
+    assert not module.grouped_mm_captures(gpu(torch.float32)) and not module.grouped_mm_captures(gpu(torch.float16))
+    capability[0] = (10, 0)
+    assert module.grouped_mm_captures(gpu(torch.bfloat16))
+    for other in ((8, 0), (8, 9), (12, 0)):
+        capability[0] = other
+        assert not module.grouped_mm_captures(gpu(torch.bfloat16))
+    assert module.grouped_mm_captures(torch.zeros(1))
+    monkeypatch.setattr(module, "GROUPED_MM", None)
+    assert not module.grouped_mm_captures(torch.zeros(1))
+
+
 def test_moe_experts_rejects_bad_shapes(device):
     x, index, weights, gate_up, down = routed(3, 4, 2, 32, 16, torch.float32, device)
     with pytest.raises(ValueError, match="down must be"):
