@@ -11,14 +11,19 @@ def device():
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """Make every torch.empty during the test return NaN (floats) or -7 (integers), so unwritten outputs show."""
-    empty = torch.empty
+    """Make every torch.empty, torch.empty_like and Tensor.new_empty during the test return NaN (floats) or -7
+    (integers), so unwritten outputs show."""
 
-    def poisoned_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else -7)
+    def poisoning(allocate):
+        def poisoned_allocation(*args, **kwargs):
+            t = allocate(*args, **kwargs)
+            return t.fill_(float("nan") if t.is_floating_point() else -7)
 
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
+        return poisoned_allocation
+
+    monkeypatch.setattr(torch, "empty", poisoning(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoning(torch.empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoning(torch.Tensor.new_empty))
 
 
 @pytest.fixture
