@@ -2,6 +2,7 @@
 capture could free an earlier engine's graphs, whose reset a capture forbids."""
 
 import gc
+import os
 import threading
 
 import pytest
@@ -79,6 +80,29 @@ def test_captures_run_with_the_collector_off(collector_on, monkeypatch):
     direct = [(path.name, number) for path in package.rglob("*.py")
               for number, line in enumerate(path.read_text().splitlines(), 1) if "torch.cuda.graph(" in line]
     assert direct and all(name == "graphs.py" and start <= number < start + len(lines) for name, number in direct)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork: POSIX only")
+def test_a_child_forked_during_a_capture_has_its_collector_back(collector_on):
+    entered, release = threading.Event(), threading.Event()
+
+    def other():
+        with paused_gc():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert entered.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: no capture under way, the collector on again and pausable
+        ok = gc.isenabled()
+        with paused_gc():
+            ok = ok and not gc.isenabled()
+        os._exit(0 if ok and gc.isenabled() else 1)
+    release.set()
+    thread.join(10)
+    assert os.waitpid(pid, 0)[1] == 0 and gc.isenabled()
 
 
 class _Cycle:

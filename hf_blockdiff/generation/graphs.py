@@ -20,6 +20,7 @@ the capture fails with "operation failed due to a previous error during capture"
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from contextlib import contextmanager
 from typing import Callable
@@ -43,6 +44,19 @@ def capacity_buckets(slots: int, most: int) -> list[int]:
 
 _GC_LOCK = threading.Lock()
 _GC_PAUSES = [0, False]  # captures under way in this process; whether the collector was on before the first
+
+
+def _forked_child() -> None:
+    """A fork taken while another thread captured: the child captures nothing (threads do not survive a fork), so its
+    collector goes back to how it was, and the lock that thread may have held is a new one."""
+    global _GC_LOCK
+    _GC_LOCK = threading.Lock()
+    if _GC_PAUSES[0] and _GC_PAUSES[1]:
+        gc.enable()
+    _GC_PAUSES[:] = [0, False]
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 @contextmanager
