@@ -19,6 +19,21 @@ def collector_on():
     (gc.enable if was else gc.disable)()
 
 
+def paused_in_another_thread():
+    """A thread inside `paused_gc` until the returned event is set: (the thread, that event)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def other():
+        with paused_gc():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert entered.wait(10)
+    return thread, release
+
+
 def test_the_collector_is_off_inside_and_back_after(collector_on):
     with paused_gc():
         assert not gc.isenabled()
@@ -39,17 +54,8 @@ def test_a_collector_that_was_off_stays_off(collector_on):
 
 
 def test_threads_overlapping_leave_it_on_only_when_the_last_leaves(collector_on):
-    entered, release = threading.Event(), threading.Event()
-
-    def other():
-        with paused_gc():
-            entered.set()
-            release.wait(10)
-
-    thread = threading.Thread(target=other)
     with paused_gc():
-        thread.start()
-        assert entered.wait(10)
+        thread, release = paused_in_another_thread()
     assert not gc.isenabled()  # the other thread is still inside
     release.set()
     thread.join(10)
@@ -84,16 +90,7 @@ def test_captures_run_with_the_collector_off(collector_on, monkeypatch):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork: POSIX only")
 def test_a_child_forked_during_a_capture_has_its_collector_back(collector_on):
-    entered, release = threading.Event(), threading.Event()
-
-    def other():
-        with paused_gc():
-            entered.set()
-            release.wait(10)
-
-    thread = threading.Thread(target=other)
-    thread.start()
-    assert entered.wait(10)
+    thread, release = paused_in_another_thread()
     pid = os.fork()
     if pid == 0:  # the child: no capture under way, the collector on again and pausable
         ok = gc.isenabled()

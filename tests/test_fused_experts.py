@@ -22,18 +22,25 @@ def test_stock_experts_are_taken_and_others_left():
     assert experts_of(tiny_model("qwen3")) == []
 
 
-def test_decoding_runs_the_kernel_and_keeps_the_tokens(monkeypatch):
-    """Triton backend (TRITON_INTERPRET on CPU): every denoising forward's experts on the kernel, tokens equal to the
-    sdpa backend's (transformers' own experts forward); the model's forwards are back after the call."""
+def decode_counting_experts(monkeypatch, lengths, seed, backends=("sdpa", "triton")):
+    """The tiny MoE model decoding prompts of `lengths` with each backend: (model, sequences per backend, token count
+    of every `moe_experts` call)."""
     model = tiny_model("qwen3_moe", **MOE).to(DEVICE)
     calls = []
     kernel = fused_experts.moe_experts
     monkeypatch.setattr(fused_experts, "moe_experts", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
-    ids, mask = left_pad(random_prompts((9, 4, 6), seed=5))
+    ids, mask = left_pad(random_prompts(lengths, seed=seed))
     config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, threshold=0.6, eos_token_id=[],
                                   attention="block_causal", alignment="absolute")
-    plain, fused = (model.generate_multi_block(ids.to(DEVICE), config.replace(attention_backend=backend),
-                                               attention_mask=mask.to(DEVICE)) for backend in ("sdpa", "triton"))
+    sequences = [model.generate_multi_block(ids.to(DEVICE), config.replace(attention_backend=backend),
+                                            attention_mask=mask.to(DEVICE)) for backend in backends]
+    return model, sequences, calls
+
+
+def test_decoding_runs_the_kernel_and_keeps_the_tokens(monkeypatch):
+    """Triton backend (TRITON_INTERPRET on CPU): every denoising forward's experts on the kernel, tokens equal to the
+    sdpa backend's (transformers' own experts forward); the model's forwards are back after the call."""
+    model, (plain, fused), calls = decode_counting_experts(monkeypatch, (9, 4, 6), seed=5)
     assert torch.equal(plain, fused)
     assert len(calls) >= 2 * 4 and min(calls) <= 12  # two MoE layers per forward, denoising forwards of 12 tokens
     assert all("forward" not in vars(m) for m in model.modules())
@@ -44,15 +51,7 @@ def test_a_long_prefill_takes_the_grouped_gemm_and_keeps_the_tokens(monkeypatch)
     kernels' grouping and weighted sum), the denoising forwards' few; tokens equal to the sdpa backend's."""
     from hf_blockdiff.kernels.moe_experts import few_pairs
 
-    model = tiny_model("qwen3_moe", **MOE).to(DEVICE)
-    calls = []
-    kernel = fused_experts.moe_experts
-    monkeypatch.setattr(fused_experts, "moe_experts", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
-    ids, mask = left_pad(random_prompts((70, 64, 66), seed=6))
-    config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, threshold=0.6, eos_token_id=[],
-                                  attention="block_causal", alignment="absolute")
-    plain, fused = (model.generate_multi_block(ids.to(DEVICE), config.replace(attention_backend=backend),
-                                               attention_mask=mask.to(DEVICE)) for backend in ("sdpa", "triton"))
+    _, (plain, fused), calls = decode_counting_experts(monkeypatch, (70, 64, 66), seed=6)
     assert torch.equal(plain, fused)
     assert any(not few_pairs(tokens, 2, 8) for tokens in calls) and any(few_pairs(tokens, 2, 8) for tokens in calls)
 
@@ -64,12 +63,5 @@ def test_many_pairs_keep_the_class_forward_where_the_grouped_gemm_reads_back(mon
     from hf_blockdiff.kernels.moe_experts import few_pairs
 
     monkeypatch.setattr(fused_experts, "grouped_mm_captures", lambda weight: False)
-    model = tiny_model("qwen3_moe", **MOE).to(DEVICE)
-    calls = []
-    kernel = fused_experts.moe_experts
-    monkeypatch.setattr(fused_experts, "moe_experts", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
-    ids, mask = left_pad(random_prompts((70, 64, 66), seed=6))
-    config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, threshold=0.6, eos_token_id=[],
-                                  attention="block_causal", alignment="absolute", attention_backend="triton")
-    model.generate_multi_block(ids.to(DEVICE), config, attention_mask=mask.to(DEVICE))
+    _, _, calls = decode_counting_experts(monkeypatch, (70, 64, 66), seed=6, backends=("triton",))
     assert calls and all(few_pairs(tokens, 2, 8) for tokens in calls)

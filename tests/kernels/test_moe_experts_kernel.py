@@ -40,19 +40,25 @@ def test_moe_experts_rounds_as_transformers_bf16(device, poisoned, assert_close)
     assert_close(out, expected.double(), torch.bfloat16)
 
 
-def test_moe_experts_equals_transformers_grouped_mm_forward(device):
-    """transformers' own experts module (Qwen3-MoE's, `grouped_mm` forward) on the same routing, fp32."""
+def transformers_forward(x, index, weights, gate_up, down, hidden_act="silu"):
+    """transformers' own experts module (Qwen3-MoE's) with these weights, through its `grouped_mm` forward."""
     from transformers import Qwen3MoeConfig
     from transformers.integrations.moe import grouped_mm_experts_forward
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
-    x, index, weights, gate_up, down = routed(7, 8, 2, 64, 32, torch.float32, device, seed=5)
-    experts = Qwen3MoeExperts(config).to(device)
+    config = Qwen3MoeConfig(hidden_size=gate_up.shape[2], moe_intermediate_size=down.shape[2],
+                            num_experts=gate_up.shape[0], num_experts_per_tok=index.shape[1], hidden_act=hidden_act)
+    experts = Qwen3MoeExperts(config).to(gate_up.device, gate_up.dtype)
     with torch.no_grad():
         experts.gate_up_proj.copy_(gate_up)
         experts.down_proj.copy_(down)
-        expected = grouped_mm_experts_forward(experts, x, index, weights)
+        return grouped_mm_experts_forward(experts, x, index, weights)
+
+
+def test_moe_experts_equals_transformers_grouped_mm_forward(device):
+    """transformers' own experts module (Qwen3-MoE's, `grouped_mm` forward) on the same routing, fp32."""
+    x, index, weights, gate_up, down = routed(7, 8, 2, 64, 32, torch.float32, device, seed=5)
+    expected = transformers_forward(x, index, weights, gate_up, down)
     torch.testing.assert_close(moe_experts(x, index, weights, gate_up, down, "silu"), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -84,20 +90,10 @@ def test_many_pairs_equal_transformers_grouped_mm_forward_bf16(device, weight_dt
     """transformers' own `grouped_mm` forward in bfloat16 (the same grouped GEMMs): equal but for rare differences of
     a few ulps. A gated value may differ by one ulp (the kernel's exponential is not torch's), which the down
     projection carries into its outputs, and with fp32 routing weights the fp32 sum's order differs."""
-    from transformers import Qwen3MoeConfig
-    from transformers.integrations.moe import grouped_mm_experts_forward
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-    hidden_act = "silu" if act == "silu" else "gelu_pytorch_tanh"
-    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                            hidden_act=hidden_act)
     x, index, weights, gate_up, down = routed(200, 4, 2, 64, 32, torch.bfloat16, device, seed=7)
     weights = weights.to(weight_dtype)
-    experts = Qwen3MoeExperts(config).to(device, torch.bfloat16)
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(gate_up)
-        experts.down_proj.copy_(down)
-        expected = grouped_mm_experts_forward(experts, x, index, weights)
+    expected = transformers_forward(x, index, weights, gate_up, down,
+                                    "silu" if act == "silu" else "gelu_pytorch_tanh")
     out = moe_experts(x, index, weights, gate_up, down, act)
     ulps = bf16_ulps(out, expected)
     assert ulps.max() <= 4 and (ulps > 0).float().mean() < 0.01
