@@ -10,8 +10,9 @@ computes it.
 
 `canvas_score_triton` reads the logits twice (statistics, then the probabilities) and builds no [N, V] tensor but
 its output probabilities. Each lane keeps its own running max and sums, combined once per row after the first pass:
-a reduction across the program's lanes per chunk cost 15 % of the kernel at batch 16 (H200); `canvas_score_reference` is the plain torch version it is tested against (ulp differences
-apart: the kernel's tanh, exp and log are not torch's).
+a reduction across the program's lanes per chunk cost 15 % of the kernel at batch 16 (H200).
+`canvas_score_reference` is the plain torch version it is tested against (ulp differences apart: the kernel's tanh,
+exp and log are not torch's).
 """
 
 import torch

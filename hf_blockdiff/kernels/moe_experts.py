@@ -4,13 +4,13 @@
 (`integrations/moe.py`: concatenated [gate; up] weights [E, 2I, H], down [E, H, I], no bias, `act(gate) * up`,
 weighted and summed over the top-k). At few pairs per expert (`few_pairs`) it runs in four launches. A counting
 sort groups the pairs (token, chosen expert) by expert, a program per expert (no `torch.sort`: a radix sort of 2,048
-pairs took 29 us on an H200). A program per
-(expert, column tile) reads its expert's weight tile once for all of that expert's pairs, gathers their tokens'
-hidden states itself (no gathered copy), and returns at once for an expert no pair chose, so a decode step reads
-only the chosen experts' weights (SDAR-30B-A3B at batch 1: 32 of 128) and never launches per expert. The down
-projection writes each pair's row back in the pairs' original order, and a last launch weighs and sums each token's
-top-k rows (21 us as inductor's reduction, 4 here). Rounded as transformers rounds: each projection to the weights'
-dtype, the activation, the product, each weighted row in the promoted dtype, the sum in float32.
+pairs took 29 us on an H200). A program per (expert, column tile) reads its expert's weight tile once for all of
+that expert's pairs, gathers their tokens' hidden states itself (no gathered copy), and returns at once for an
+expert no pair chose, so a decode step reads only the chosen experts' weights (SDAR-30B-A3B at batch 1: 32 of 128)
+and never launches per expert. The down projection writes each pair's row back in the pairs' original order, and a
+last launch weighs and sums each token's top-k rows (21 us as inductor's reduction, 4 here). Rounded as transformers
+rounds: each projection to the weights' dtype, the activation, the product, each weighted row in the promoted dtype,
+the sum in float32.
 
 Beyond `MAX_PAIRS_PER_EXPERT` pairs per expert on average the weight tiles would be re-read per group of rows and
 torch's grouped GEMM is the better kernel: the same counting sort, one gather of the hidden rows into expert order,
