@@ -1,12 +1,15 @@
 """Stock MLPs and attentions with skinny-GEMM projections (`generation/fused_layers.py`): which modules are taken,
 the same outputs as the stock forwards, and the decode loop's tokens unchanged when they run."""
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from hf_blockdiff import BlockDiffusionConfig, cache
+from hf_blockdiff.cache_keyword import CACHE_KEYWORD, cache_kwarg
 from hf_blockdiff.attention import resolve_backend
 from hf_blockdiff.generation import fused_layers
 from hf_blockdiff.generation.fusion import fully_fused, fusion_for
@@ -68,6 +71,25 @@ def test_fused_forwards_equal_the_stock_ones(family, dtype, tokens):
     error = (fused_layer_forward(layer, hidden, position_embeddings=rotary).float() - stock_layer).norm()
     assert error / stock_layer.norm() < (1e-5 if dtype == torch.float32 else 1e-2)  # of a norm propagates to 2.0
     assert fused.abs().max() > 0.1  # not a vanishing output that any kernel would match
+
+
+@pytest.mark.parametrize("keyword", ["past_key_values", CACHE_KEYWORD])
+def test_fused_forwards_with_a_cache_run_the_stock_ones(keyword):
+    """Given a KV cache under either keyword (transformers 5.24 passes `cache`, earlier ones `past_key_values`), the
+    fused layer and attention forwards run the stock ones, which fill it; without one, they pass none on, so that
+    nothing warns about the renamed keyword."""
+    layer = tiny_model("qwen3").model.layers[0]
+    hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))
+    rotary = tiny_model("qwen3").model.rotary_emb(hidden, torch.arange(5)[None].expand(2, -1))
+    stock_cache, fused_cache, attention_cache = DynamicCache(), DynamicCache(), DynamicCache()
+    stock = layer(hidden, position_embeddings=rotary, **cache_kwarg(stock_cache))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values", category=FutureWarning)
+        fused = fused_layer_forward(layer, hidden, position_embeddings=rotary, **{keyword: fused_cache})
+        fused_attention_forward(layer.self_attn, hidden, rotary, None, **{keyword: attention_cache})
+        fused_layer_forward(layer, hidden, position_embeddings=rotary)
+    torch.testing.assert_close(fused, stock, atol=0, rtol=0)  # the same stock code
+    assert stock_cache.get_seq_length() == fused_cache.get_seq_length() == attention_cache.get_seq_length() == 5
 
 
 def _counted(calls, name, kernel):

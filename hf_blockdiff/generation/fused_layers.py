@@ -34,6 +34,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 from ..attention import blockdiff_attention_forward
+from ..cache_keyword import kv_cache_argument
 from ..kernels import TRITON_AVAILABLE
 from ..kernels.rmsnorm import add_rms_norm
 from ..kernels.skinny_gemm import gated_linear, grouped_linear, linear_residual
@@ -81,12 +82,13 @@ def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
                         use_cache=False, position_embeddings=None, **kwargs):
     """transformers' decoder layer with its residual adds in other launches: after the attention in the
     post-attention RMSNorm's (`add_rms_norm`), after the MLP in the down projection's (`linear_residual`)."""
-    if past_key_values is not None:
-        return type(self).forward(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+    cache = kv_cache_argument(past_key_values, kwargs)
+    if cache is not None:  # the cache's parameter is the fourth on every version, whatever its name
+        return type(self).forward(self, hidden_states, attention_mask, position_ids, cache, use_cache,
                                   position_embeddings, **kwargs)
     attended, _ = self.self_attn(
         hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=None, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     norm = self.post_attention_layernorm
     residual, normed = add_rms_norm(hidden_states, attended, norm.weight, norm.variance_epsilon)
     return fused_mlp_forward(self.mlp, normed, residual)
@@ -104,9 +106,9 @@ def _rotates_in_cache(attention: torch.nn.Module) -> bool:
 
 def _attention(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
                rotary_in_cache: bool):
-    if past_key_values is not None or kwargs.get("cache") is not None:
-        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
-                                  **kwargs)
+    cache = kv_cache_argument(past_key_values, kwargs)
+    if cache is not None:  # the cache's parameter is the fourth on every version, whatever its name
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
     input_shape = hidden_states.shape[:-1]
     projections = (self.q_proj, self.k_proj, self.v_proj)
     query, key, value = (

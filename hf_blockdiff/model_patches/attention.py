@@ -16,6 +16,7 @@ from transformers.masking_utils import create_bidirectional_mask, create_causal_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from ..cache_keyword import cache_kwarg, kv_cache_argument
 from .released_calls import plain_call
 from .released_masks import explicit_attention_mask, is_explicit_mask
 
@@ -44,7 +45,7 @@ def block_causal_mask(config, inputs_embeds, attention_mask, past_key_values, po
 def bidirectional_mask(config, inputs_embeds, attention_mask, past_key_values, position_ids=None):
     """`position_ids` is unused (same signature as `block_causal_mask`)."""
     return create_bidirectional_mask(
-        config, inputs_embeds, attention_mask, past_key_values=past_key_values, allow_is_bidirectional_skip=False
+        config, inputs_embeds, attention_mask, **cache_kwarg(past_key_values), allow_is_bidirectional_skip=False
     )
 
 
@@ -56,13 +57,6 @@ def forward_mask(pattern, config, inputs_embeds, attention_mask, past_key_values
     if is_explicit_mask(attention_mask):
         return explicit_attention_mask(config, inputs_embeds, attention_mask, past_key_values)
     return pattern(config, inputs_embeds, attention_mask, past_key_values, position_ids)
-
-
-def kv_cache_argument(past_key_values, kwargs: dict):
-    """The KV cache a forward was given: transformers ≥ 5.24 passes it as `cache` (it renamed `past_key_values`),
-    earlier versions and the released scripts as `past_key_values`; `cache` is taken out of `kwargs`."""
-    cache = kwargs.pop("cache", None)
-    return past_key_values if past_key_values is not None else cache
 
 
 class _PatternedDecoder:
@@ -86,7 +80,7 @@ class _PatternedDecoder:
         attention_mask = forward_mask(self._mask, self.config, inputs_embeds, attention_mask, cache, position_ids)
         return_dict = kwargs.pop("return_dict", None)
         output = call.finish(super().forward(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **cache_kwarg(cache),
             inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True, **kwargs,
         ))
         return output.to_tuple() if return_dict is False else output

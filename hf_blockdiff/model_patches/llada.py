@@ -26,7 +26,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from .attention import attend, bidirectional_mask, forward_mask, kv_cache_argument
+from .attention import attend, bidirectional_mask, forward_mask
+from ..cache_keyword import CACHE_KEYWORD, cache_kwarg, kv_cache_argument
 from ..profiles import ModelProfile
 from .released import CompleteCheckpoint, ReleasedConfig
 from .released_calls import dual_cache_call
@@ -233,7 +234,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
                 position_ids=position_ids, past_key_values=cache, **kwargs,
             )
         return call.finish(BaseModelOutputWithPast(
-            last_hidden_state=self.transformer.ln_f(hidden_states), past_key_values=cache if use_cache else None,
+            last_hidden_state=self.transformer.ln_f(hidden_states), **cache_kwarg(cache if use_cache else None),
         ))
 
 
@@ -266,4 +267,4 @@ class LLaDAModelLM(LLaDAPreTrainedModel):
         loss = None
         if labels is not None:  # transformers' causal-LM loss, as the stock classes compute it
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_kwarg(getattr(outputs, CACHE_KEYWORD)))

@@ -28,7 +28,8 @@ from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeForCausalLM, 
                                                             Glm4MoePreTrainedModel, Glm4MoeRMSNorm,
                                                             apply_rotary_pos_emb)
 
-from .attention import attend, block_causal_mask, kv_cache_argument
+from .attention import attend, block_causal_mask
+from ..cache_keyword import cache_kwarg, kv_cache_argument
 from .experts import ReleasedExperts
 from .llada import rope_angles
 from ..profiles import ModelProfile
@@ -204,7 +205,7 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
             hidden_states = layer(hidden_states, position_embeddings, attention_mask=attention_mask,
                                   position_ids=position_ids, past_key_values=past_key_values, **kwargs)
         return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states),
-                                       past_key_values=past_key_values if use_cache else None)
+                                       **cache_kwarg(past_key_values if use_cache else None))
 
 
 class LLaDA2MoeModelLM(ReleasedExperts, CompleteCheckpoint, OwnDecoderLM, Glm4MoeForCausalLM):

@@ -25,6 +25,7 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from ..cache_keyword import CACHE_KEYWORD
 from .released_caches import FlatReleasedCache, ReleasedCache, block_view, read_only_view, replacing_view
 
 
@@ -57,8 +58,8 @@ class ReleasedCall:
         return torch.arange(start, start + query_length, device=device)[None]
 
     def finish(self, output: BaseModelOutputWithPast) -> BaseModelOutputWithPast:
-        if output.past_key_values is not None:
-            output["past_key_values"] = self.kept
+        if getattr(output, CACHE_KEYWORD) is not None:
+            output[CACHE_KEYWORD] = self.kept
         if self.block_cache is None:
             return output
         return BlockCacheModelOutput(**output, block_past_key_values=self.block_cache)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_bidirectional_mask
 
+from ..cache_keyword import cache_kwarg
+
 
 def is_explicit_mask(attention_mask) -> bool:
     return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() in (3, 4)
@@ -78,6 +80,6 @@ def explicit_attention_mask(config, inputs_embeds: torch.Tensor, mask: torch.Ten
         return allowed[batch_idx, q_idx - query_offset, kv_idx - key_offset]
 
     return create_bidirectional_mask(
-        config, inputs_embeds, None, past_key_values=past_key_values, and_mask_function=explicit,
+        config, inputs_embeds, None, **cache_kwarg(past_key_values), and_mask_function=explicit,
         allow_is_bidirectional_skip=False,
     )

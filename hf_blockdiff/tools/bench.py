@@ -20,6 +20,7 @@ import torch
 
 from ..config import ATTENTION_BACKENDS, BlockDiffusionConfig
 from ..integrations.distributed import is_main_process, launch_size
+from ..cache_keyword import cache_kwarg
 from ..patching import free_cache
 from ..profiles import model_profile
 from ..strategies import strategy_names
@@ -75,7 +76,7 @@ def reference_loop(model, prompts: torch.Tensor, cfg: BlockDiffusionConfig) -> i
     def forward(lo, hi):
         mask = allowed[lo:hi, :hi][None, None].expand(batch, 1, -1, -1)
         position = torch.arange(lo, hi, device=x.device)[None].expand(batch, -1)
-        return model(input_ids=x[:, lo:hi], attention_mask=mask, position_ids=position, past_key_values=cache,
+        return model(input_ids=x[:, lo:hi], attention_mask=mask, position_ids=position, **cache_kwarg(cache),
                      use_cache=True).logits
 
     prefill = length // size * size

@@ -5,6 +5,7 @@ kwargs) are honoured, and `save_pretrained` writes the released format back."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_blockdiff.model_patches import profile_for
+from hf_blockdiff.cache_keyword import CACHE_KEYWORD, cache_kwarg
 
 # family -> (released config, reference forward, attention rule)
 FAMILIES = {
@@ -105,6 +107,21 @@ def test_block_causal_window_over_cached_prefix(name, checkpoints):
         model(ids[:, :8], past_key_values=cache, use_cache=True)
         window = model(ids[:, 8:], past_key_values=cache, use_cache=True).logits
     torch.testing.assert_close(window, full[:, 8:], atol=5e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", FAMILY_PARAMS)
+def test_forwards_pass_the_installed_cache_keyword(name, checkpoints):
+    """transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40): a forward
+    given the cache under the installed version's keyword, and one given none, pass it on under that keyword, so
+    nothing warns, and return the caller's cache under it."""
+    _, _, _, model = checkpoints(name)
+    cache = DynamicCache()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values", category=FutureWarning)
+        with torch.no_grad():
+            model(_ids(length=8))
+            output = model(_ids(length=8), **cache_kwarg(cache), use_cache=True)
+    assert getattr(output, CACHE_KEYWORD) is cache and cache.get_seq_length() == 8
 
 
 def _probe(calls):
