@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind the README tables, in one go:
-# `benchmarks/gpu_run.sh [tests|kernels|main|quick|extra|flash|llada2|rollouts|quantized|nf4|dgemma]` (llada2 needs diffusers,
-# quantized torchao, nf4 bitsandbytes installed).
+# `benchmarks/gpu_run.sh [tests|kernels|main|quick|extra|flash|llada2|rollouts|quantized|nf4|dgemma|tp]` (llada2 needs
+# diffusers, quantized torchao, nf4 bitsandbytes installed; tp two GPUs).
 # Runs from the repository root on a CUDA machine with torch, transformers, triton installed; writes logs to $OUT.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -64,5 +64,14 @@ build_model('sdar-4b', None, 'cuda', torch.bfloat16).save_pretrained('/tmp/sdar-
         # shellcheck disable=SC2086
         python3 -m hf_blockdiff.cli bench --shape diffusion-gemma-26b-a4b --prompt-len 1024 --new-tokens 1024 $args \
           --json | tail -1 | tee -a "$OUT/bench.jsonl"; done ;;
+    tp)  # tensor parallel over two GPUs (issue 16): the distributed tests, here on NCCL with CUDA graphs (tokens equal
+      # to one GPU), then SDAR-8B shapes on one GPU and sharded over two, compiled layers on and off
+      python3 -m pytest -q tests/test_distributed.py -rA 2>&1 | tee "$OUT/tp_tests.log" | tail -5
+      for b in 1 32; do
+        sdar8b=(--shape sdar-8b --prompt-len 256 --new-tokens 256 --batch-size "$b" --skip-reference --json)
+        python3 -m hf_blockdiff.cli bench "${sdar8b[@]}" | tail -1 | tee -a "$OUT/bench.jsonl"
+        for compile in on off; do
+          torchrun --nproc_per_node 2 -m hf_blockdiff.cli bench "${sdar8b[@]}" --tensor-parallel --compile "$compile" \
+            | tail -1 | tee -a "$OUT/bench.jsonl"; done; done ;;
   esac
 done
