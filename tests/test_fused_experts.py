@@ -3,7 +3,7 @@
 import torch
 
 from hf_blockdiff import BlockDiffusionConfig
-from hf_blockdiff.generation import fused_experts
+from hf_blockdiff.generation import fused_experts, fusion
 from hf_blockdiff.generation.fused_experts import fused_experts as experts_of
 
 from helpers import MASK, left_pad, random_prompts, tiny_model
@@ -22,16 +22,20 @@ def test_stock_experts_are_taken_and_others_left():
     assert experts_of(tiny_model("qwen3")) == []
 
 
-def decode_counting_experts(monkeypatch, lengths, seed, backends=("sdpa", "triton")):
+def decode_counting_experts(monkeypatch, lengths, seed, backends=("sdpa", "triton"), new_tokens=8,
+                            experts_only=False):
     """The tiny MoE model decoding prompts of `lengths` with each backend: (model, sequences per backend, token count
-    of every `moe_experts` call)."""
+    of every `moe_experts` call). `experts_only`: the attentions keep their stock forwards (their fused ones, tested
+    in test_fused_layers.py, cost most of the interpreted run's time)."""
     model = tiny_model("qwen3_moe", **MOE).to(DEVICE)
     calls = []
     kernel = fused_experts.moe_experts
     monkeypatch.setattr(fused_experts, "moe_experts", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    if experts_only:
+        monkeypatch.setattr(fusion, "fused_forwards", lambda *args, **kwargs: [])
     ids, mask = left_pad(random_prompts(lengths, seed=seed))
-    config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, threshold=0.6, eos_token_id=[],
-                                  attention="block_causal", alignment="absolute")
+    config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=new_tokens, threshold=0.6,
+                                  eos_token_id=[], attention="block_causal", alignment="absolute")
     sequences = [model.generate_multi_block(ids.to(DEVICE), config.replace(attention_backend=backend),
                                             attention_mask=mask.to(DEVICE)) for backend in backends]
     return model, sequences, calls
@@ -47,11 +51,11 @@ def test_decoding_runs_the_kernel_and_keeps_the_tokens(monkeypatch):
 
 
 def test_a_long_prefill_takes_the_grouped_gemm_and_keeps_the_tokens(monkeypatch):
-    """Prompts of 60-70 tokens: the prefill's 400 pairs over 8 experts are many (torch's grouped GEMM between the
-    kernels' grouping and weighted sum), the denoising forwards' few; tokens equal to the sdpa backend's."""
+    """Prompts of 64 and 70 tokens: the prefill's 268 pairs over 8 experts are many (torch's grouped GEMM between
+    the kernels' grouping and weighted sum), the denoising forwards' few; tokens equal to the sdpa backend's."""
     from hf_blockdiff.kernels.moe_experts import few_pairs
 
-    _, (plain, fused), calls = decode_counting_experts(monkeypatch, (70, 64, 66), seed=6)
+    _, (plain, fused), calls = decode_counting_experts(monkeypatch, (70, 64), seed=6, new_tokens=4, experts_only=True)
     assert torch.equal(plain, fused)
     assert any(not few_pairs(tokens, 2, 8) for tokens in calls) and any(few_pairs(tokens, 2, 8) for tokens in calls)
 
@@ -63,5 +67,6 @@ def test_many_pairs_keep_the_class_forward_where_the_grouped_gemm_reads_back(mon
     from hf_blockdiff.kernels.moe_experts import few_pairs
 
     monkeypatch.setattr(fused_experts, "grouped_mm_captures", lambda weight: False)
-    _, _, calls = decode_counting_experts(monkeypatch, (70, 64, 66), seed=6, backends=("triton",))
+    _, _, calls = decode_counting_experts(monkeypatch, (70, 64), seed=6, backends=("triton",), new_tokens=4,
+                                          experts_only=True)
     assert calls and all(few_pairs(tokens, 2, 8) for tokens in calls)
