@@ -25,8 +25,8 @@ def test_stock_experts_are_taken_and_others_left():
 def decode_counting_experts(monkeypatch, lengths, seed, backends=("sdpa", "triton"), new_tokens=8,
                             experts_only=False):
     """The tiny MoE model decoding prompts of `lengths` with each backend: (model, sequences per backend, token count
-    of every `moe_experts` call). `experts_only`: the attentions keep their stock forwards (their fused ones, tested
-    in test_fused_layers.py, cost most of the interpreted run's time)."""
+    of every `moe_experts` call). `experts_only`: the attentions and decoder layers keep their stock forwards (their
+    fused ones, tested in test_fused_layers.py, cost most of the interpreted run's time)."""
     model = tiny_model("qwen3_moe", **MOE).to(DEVICE)
     calls = []
     kernel = fused_experts.moe_experts

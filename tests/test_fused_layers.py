@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_blockdiff import BlockDiffusionConfig, cache
-from hf_blockdiff.cache_keyword import CACHE_KEYWORD, cache_kwarg
 from hf_blockdiff.attention import resolve_backend
+from hf_blockdiff.cache_keyword import CACHE_KEYWORD, cache_kwarg
 from hf_blockdiff.generation import fused_layers
 from hf_blockdiff.generation.fusion import fully_fused, fusion_for
 from hf_blockdiff.generation.fused_layers import (
@@ -78,9 +78,10 @@ def test_fused_forwards_with_a_cache_run_the_stock_ones(keyword):
     """Given a KV cache under either keyword (transformers 5.24 passes `cache`, earlier ones `past_key_values`), the
     fused layer and attention forwards run the stock ones, which fill it; without one, they pass none on, so that
     nothing warns about the renamed keyword."""
-    layer = tiny_model("qwen3").model.layers[0]
+    model = tiny_model("qwen3")
+    layer = model.model.layers[0]
     hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))
-    rotary = tiny_model("qwen3").model.rotary_emb(hidden, torch.arange(5)[None].expand(2, -1))
+    rotary = model.model.rotary_emb(hidden, torch.arange(5)[None].expand(2, -1))
     stock_cache, fused_cache, attention_cache = DynamicCache(), DynamicCache(), DynamicCache()
     stock = layer(hidden, position_embeddings=rotary, **cache_kwarg(stock_cache))
     with warnings.catch_warnings():

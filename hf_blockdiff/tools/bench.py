@@ -18,9 +18,9 @@ import json
 
 import torch
 
+from ..cache_keyword import cache_kwarg
 from ..config import ATTENTION_BACKENDS, BlockDiffusionConfig
 from ..integrations.distributed import is_main_process, launch_size
-from ..cache_keyword import cache_kwarg
 from ..patching import free_cache
 from ..profiles import model_profile
 from ..strategies import strategy_names
