@@ -40,6 +40,24 @@ def test_installing_again_compiles_nothing_again():
             compiled(block, hidden)
     assert counters["stats"]["unique_graphs"] == 1
 
+
+def test_every_installed_forward_is_the_same_function_at_each_install():
+    """The norms', attentions', MLPs', decoder layers' and experts' forwards `decoding_mode` installs are methods of
+    module-level functions, the same at every install (a partial, closure or lambda would be new each time)."""
+    import inspect
+
+    model = tiny_model("qwen3_moe", **MOE)
+
+    def installed():
+        with fusion.decoding_mode(model, fusion="norms", skinny=True):
+            return {name: vars(m)["forward"] for name, m in model.named_modules() if "forward" in vars(m)}
+
+    first, second = installed(), installed()
+    assert len(first) > 10 and first.keys() == second.keys()
+    for name, forward in first.items():
+        assert inspect.ismethod(forward) and "<locals>" not in forward.__func__.__qualname__, name
+        assert second[name].__func__ is forward.__func__, name
+
 def decode_counting_experts(monkeypatch, lengths, seed, backends=("sdpa", "triton"), new_tokens=8,
                             experts_only=False):
     """The tiny MoE model decoding prompts of `lengths` with each backend: (model, sequences per backend, token count
