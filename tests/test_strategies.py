@@ -26,61 +26,44 @@ def above(value, threshold, strict):
 
 
 def numpy_strategy(name, row, p):
-    masked, c, h, m, n = row["masked"], row["confidence"], row["entropy"], row["margin"], row["scheduled"]
+    """The positions strategy `name` commits in one block row, written out plainly (one function per kind)."""
+    for kind in (ranked_strategy, threshold_strategy, running_strategy, dream_strategy):
+        chosen = kind(name, row, p)
+        if chosen is not None:
+            return chosen
+    raise KeyError(name)
+
+
+def ranked_strategy(name, row, p):
+    """The scheduled count of masked positions by an order (None: not such a strategy)."""
+    orders = {"sequential": lambda c, h, m, mask: [i for i in range(len(mask)) if mask[i]],
+              "anti_sequential": lambda c, h, m, mask: [i for i in range(len(mask)) if mask[i]][::-1],
+              "low_confidence_static": lambda c, h, m, mask: order(c, mask, True),
+              "random": lambda c, h, m, mask: order(row["noise"], mask, False),
+              "least_entropy": lambda c, h, m, mask: order(h, mask, False),
+              "top2_margin": lambda c, h, m, mask: order(m, mask, True)}
+    if name not in orders:
+        return None
+    if not row["forced"]:
+        return set()
+    ranked = orders[name](row["confidence"], row["entropy"], row["margin"], row["masked"])
+    return set(ranked[:row["scheduled"]])
+
+
+def threshold_strategy(name, row, p):
+    """A set by a per-position test, plus a forced token (None: not such a strategy)."""
+    masked, c, h, forced = row["masked"], row["confidence"], row["entropy"], row["forced"]
     idx = [i for i in range(len(masked)) if masked[i]]
-    forced = row["forced"]
-    if name in ("sequential", "anti_sequential", "low_confidence_static", "random", "least_entropy", "top2_margin"):
-        if not forced:
-            return set()
-        ranked = {
-            "sequential": idx, "anti_sequential": idx[::-1], "low_confidence_static": order(c, masked, True),
-            "random": order(row["noise"], masked, False), "least_entropy": order(h, masked, False),
-            "top2_margin": order(m, masked, True),
-        }[name]
-        return set(ranked[:n])
     if name == "low_confidence_dynamic":
         passing = {i for i in idx if above(c[i], p.threshold, p.strict)}
-        if forced and len(passing) < n:
-            return set((order(c, masked, True) if p.fallback == "topk" else idx)[:n])
+        if forced and len(passing) < row["scheduled"]:
+            return set((order(c, masked, True) if p.fallback == "topk" else idx)[:row["scheduled"]])
         return passing
     if name == "confidence_threshold":
         passing = {i for i in idx if above(c[i], p.threshold, p.strict)}
         return passing | (set(order(c, masked, True)[:1]) if forced else set())
-    if name == "confidence_factor":
-        ranked = order(c, masked, True)
-        k = 0
-        for r, i in enumerate(ranked, 1):
-            if r > 1 and c[i] < 1 - p.factor / (r + 1):
-                break
-            k = r
-        if k == len(ranked) - 1:
-            k = len(ranked)
-        return set(ranked[:k])
     if name == "entropy_threshold":
         return forced_top1({i for i in idx if above(p.threshold, h[i], p.strict)}, row, "entropy", False)  # H < τ
-    if name == "entropy_bounded":
-        total, chosen = 0.0, set()
-        for i in order(h, masked, False):
-            total += h[i]
-            if not total < p.entropy_budget:
-                break
-            chosen.add(i)
-        return forced_top1(chosen, row, "entropy", False)
-    if name == "dynamic_pmax":
-        product, chosen = 1.0, set()
-        for i in order(c, masked, True):
-            product *= c[i]
-            if not product >= p.threshold:
-                break
-            chosen.add(i)
-        return forced_top1(chosen, row, "confidence", True)
-    if name == "causal_waterfall":
-        chosen = set()
-        for i in idx:
-            if not above(c[i], p.threshold, p.strict):
-                break
-            chosen.add(i)
-        return chosen or ({idx[0]} if forced and idx else set())
     if name == "relative_top":
         best = max((c[i] for i in idx), default=0.0)
         return forced_top1({i for i in idx if c[i] >= p.relative_alpha * best}, row, "confidence", True)
@@ -89,15 +72,52 @@ def numpy_strategy(name, row, p):
         return forced_top1(agree, row, "confidence", True)
     if name == "logit_salience":
         return forced_top1({i for i in idx if above(row["salience"][i], p.threshold, p.strict)}, row, "salience", True)
-    if name in ("maskgit_plus", "topk_margin", "entropy"):
-        if not forced:
-            return set()
-        t = 1 - (1 - p.dream_eps) * row["step"] / p.steps
-        s = 1 - (1 - p.dream_eps) * (row["step"] + 1) / p.steps
-        count = len(idx) if row["step"] >= p.steps - 1 else math.floor(len(idx) * (1 - s / t))
-        score = {"maskgit_plus": c, "topk_margin": m, "entropy": [-x for x in h]}[name]
-        return set(order(score, masked, True)[:count])
-    raise KeyError(name)
+    return None
+
+
+def running_strategy(name, row, p):
+    """A prefix of an order while a running quantity holds (None: not such a strategy)."""
+    masked, c, h = row["masked"], row["confidence"], row["entropy"]
+    if name == "confidence_factor":
+        ranked, k = order(c, masked, True), 0
+        for r, i in enumerate(ranked, 1):
+            if r > 1 and c[i] < 1 - p.factor / (r + 1):
+                break
+            k = r
+        return set(ranked[:len(ranked) if k == len(ranked) - 1 else k])
+    if name == "causal_waterfall":
+        idx = [i for i in range(len(masked)) if masked[i]]
+        chosen = set()
+        for i in idx:
+            if not above(c[i], p.threshold, p.strict):
+                break
+            chosen.add(i)
+        return chosen or ({idx[0]} if row["forced"] and idx else set())
+    if name not in ("entropy_bounded", "dynamic_pmax"):
+        return None
+    bounded = name == "entropy_bounded"
+    total, chosen = (0.0, set()) if bounded else (1.0, set())
+    for i in order(h, masked, False) if bounded else order(c, masked, True):
+        total = total + h[i] if bounded else total * c[i]
+        if not (total < p.entropy_budget if bounded else total >= p.threshold):
+            break
+        chosen.add(i)
+    return forced_top1(chosen, row, "entropy", False) if bounded else forced_top1(chosen, row, "confidence", True)
+
+
+def dream_strategy(name, row, p):
+    """Dream's schedule by a score (None: not such a strategy)."""
+    if name not in ("maskgit_plus", "topk_margin", "entropy"):
+        return None
+    if not row["forced"]:
+        return set()
+    masked = row["masked"]
+    t = 1 - (1 - p.dream_eps) * row["step"] / p.steps
+    s = 1 - (1 - p.dream_eps) * (row["step"] + 1) / p.steps
+    count = sum(masked) if row["step"] >= p.steps - 1 else math.floor(sum(masked) * (1 - s / t))
+    score = {"maskgit_plus": row["confidence"], "topk_margin": row["margin"],
+             "entropy": [-x for x in row["entropy"]]}[name]
+    return set(order(score, masked, True)[:count])
 
 
 def random_scores(generator, blocks, length, ties):
