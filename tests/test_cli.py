@@ -94,6 +94,20 @@ def test_bench_reports_both_loops(capsys):
     first = report["first_call"]
     assert first["name"] == "hf_blockdiff (first call)" and first["seconds"] > 0 and first["forwards"] == 12
     assert report["first_call_overhead_s"] == round(first["seconds"] - ours["seconds"], 3)
+    assert report["recompile_limits_hit"] == []
+
+
+def test_a_recompile_limit_hit_is_reported():
+    """The bench reports a compiled function that hit dynamo's recompile limit (it runs eager from then on)."""
+    import torch
+
+    from hf_blockdiff.tools.measure import recompile_limits_hit
+
+    add_one = torch.compile(lambda x: x + 1, backend="eager")
+    with torch._dynamo.config.patch(recompile_limit=1), recompile_limits_hit() as hits:
+        for dtype in (torch.float32, torch.float64, torch.int32):
+            add_one(torch.ones(2, dtype=dtype))
+    assert len(hits) == 1 and "recompile_limit" in hits[0] and "<lambda>" in hits[0]
 
 
 def test_bench_diffusion_gemma_against_transformers_generate(capsys):

@@ -25,7 +25,7 @@ from ..patching import free_cache
 from ..profiles import model_profile
 from ..strategies import strategy_names
 from .bench_models import LLADA2, SHAPES, build_model
-from .measure import make_report, measure
+from .measure import make_report, measure, recompile_limits_hit
 from .diffusers_reference import llada2_pipeline
 from .rollout_bench import kv_peak, rollout_runs, with_shared_prefix
 
@@ -213,6 +213,8 @@ def print_report(report: dict) -> None:
     elif "speedup" in report:
         print(f"speedup: {report['speedup']}x   first-call overhead (compile, graph capture, warm-up): "
               f"{report['first_call_overhead_s']} s")
+    for hit in report["recompile_limits_hit"]:
+        print(f"warning: {hit} (it ran eager from then on: the times above are not the compiled path's)")
 
 
 def run_bench(args) -> None:
@@ -221,7 +223,9 @@ def run_bench(args) -> None:
 
         microbench.print_table(microbench.run(device=args.device, flex=args.flex))
         return
-    report = bench(args)
+    with recompile_limits_hit() as hits:
+        report = bench(args)
+    report["recompile_limits_hit"] = hits
     if not is_main_process():  # under --tensor-parallel every process decodes; the first one reports
         return
     print(json.dumps(report) if args.json else "", end="\n" if args.json else "")

@@ -3,7 +3,9 @@ memory), shared by the block-decoding and the DiffusionGemma benches."""
 
 from __future__ import annotations
 
+import logging
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -56,3 +58,24 @@ def make_report(args, device_name: str, first: Measurement, results: list[Measur
     if len(results) == 2:
         report["speedup"] = round(results[0].tok_s / results[1].tok_s, 2)
     return report
+
+
+@contextmanager
+def recompile_limits_hit():
+    """The first line of each warning dynamo gives inside, that a compiled function hit its recompile limit: from
+    then on that function runs eager, a slowdown nothing else reports (the experts' forwards installed as a new
+    object per forward did that to DiffusionGemma's compiled layers: batch 16 at half speed)."""
+    hits = []
+
+    class Hits(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if "hit config." in message:
+                hits.append(" ".join(message.splitlines()[:2]))
+
+    logger, handler = logging.getLogger("torch._dynamo.convert_frame"), Hits(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield hits
+    finally:
+        logger.removeHandler(handler)
