@@ -1,5 +1,4 @@
 import functools
-import inspect
 import os
 import types
 
@@ -12,29 +11,30 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter; set 
 from helpers import tiny_model  # noqa: E402
 
 
-
-def _call(test, kwargs):
+def _run_test(test, kwargs):
     return test(**kwargs)
 
 
-# CPython 3.11 to 3.14.3 frees a 16 KiB chunk of its frame stack as soon as calls return below it (CPython issue
-# 142183; fixed in 3.13.x and 3.14.4): a hot call sitting on a chunk's edge maps and unmaps a chunk every time. Under
-# pytest's deep stack the Triton interpreter's per-launch calls landed there, and the interpreted tests took three
-# times as long, most of it mmap/munmap system time (docs/design.md, "Testing"). A frame declaring a 1 MiB stack gets
-# a 2 MiB chunk of its own, and the test runs in the spare MiB above it, far from any edge.
-_call_with_headroom = types.FunctionType(_call.__code__.replace(co_stacksize=1 << 17), {})
+# CPython 3.11 and 3.12 (and 3.13 and 3.14 before their backported fix, 3.14.4) free a 16 KiB chunk of the frame
+# stack as soon as calls return below it (CPython issue 142183): a hot call sitting on a chunk's edge maps and unmaps
+# a chunk every time. Under pytest's deep stack the Triton interpreter's per-launch calls landed there, and the
+# interpreted tests took three times as long, most of it mmap/munmap system time (docs/design.md, "Kernels and
+# backends"). A frame declaring a 1 MiB stack gets a 2 MiB chunk of its own, and the test runs in the spare MiB above
+# it, far from any edge.
+_run_test_with_headroom = types.FunctionType(_run_test.__code__.replace(co_stacksize=1 << 17), {})
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_pyfunc_call(pyfuncitem):
+    """pytest's own call of the test, through `_run_test_with_headroom` (while it runs, `request.function` is the
+    wrapper, named and marked as the test)."""
     test = pyfuncitem.obj
-    if inspect.iscoroutinefunction(test) or inspect.isasyncgenfunction(test):
-        return (yield)
-    pyfuncitem.obj = functools.wraps(test)(lambda **kwargs: _call_with_headroom(test, kwargs))
+    pyfuncitem.obj = functools.wraps(test)(lambda **kwargs: _run_test_with_headroom(test, kwargs))
     try:
         return (yield)
     finally:
         pyfuncitem.obj = test
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run on the device machine (`pytest -m gpu`); CI deselects them with -m "not gpu"."""

@@ -34,26 +34,26 @@ def numpy_strategy(name, row, p):
     raise KeyError(name)
 
 
+def positions(masked):
+    return [i for i in range(len(masked)) if masked[i]]
+
+
 def ranked_strategy(name, row, p):
     """The scheduled count of masked positions by an order (None: not such a strategy)."""
-    orders = {"sequential": lambda c, h, m, mask: [i for i in range(len(mask)) if mask[i]],
-              "anti_sequential": lambda c, h, m, mask: [i for i in range(len(mask)) if mask[i]][::-1],
-              "low_confidence_static": lambda c, h, m, mask: order(c, mask, True),
-              "random": lambda c, h, m, mask: order(row["noise"], mask, False),
-              "least_entropy": lambda c, h, m, mask: order(h, mask, False),
-              "top2_margin": lambda c, h, m, mask: order(m, mask, True)}
+    masked, c, h, m = row["masked"], row["confidence"], row["entropy"], row["margin"]
+    orders = {"sequential": lambda: positions(masked), "anti_sequential": lambda: positions(masked)[::-1],
+              "low_confidence_static": lambda: order(c, masked, True),
+              "random": lambda: order(row["noise"], masked, False), "least_entropy": lambda: order(h, masked, False),
+              "top2_margin": lambda: order(m, masked, True)}
     if name not in orders:
         return None
-    if not row["forced"]:
-        return set()
-    ranked = orders[name](row["confidence"], row["entropy"], row["margin"], row["masked"])
-    return set(ranked[:row["scheduled"]])
+    return set(orders[name]()[:row["scheduled"]]) if row["forced"] else set()
 
 
 def threshold_strategy(name, row, p):
     """A set by a per-position test, plus a forced token (None: not such a strategy)."""
     masked, c, h, forced = row["masked"], row["confidence"], row["entropy"], row["forced"]
-    idx = [i for i in range(len(masked)) if masked[i]]
+    idx = positions(masked)
     if name == "low_confidence_dynamic":
         passing = {i for i in idx if above(c[i], p.threshold, p.strict)}
         if forced and len(passing) < row["scheduled"]:
@@ -86,23 +86,29 @@ def running_strategy(name, row, p):
             k = r
         return set(ranked[:len(ranked) if k == len(ranked) - 1 else k])
     if name == "causal_waterfall":
-        idx = [i for i in range(len(masked)) if masked[i]]
-        chosen = set()
+        idx, chosen = positions(masked), set()
         for i in idx:
             if not above(c[i], p.threshold, p.strict):
                 break
             chosen.add(i)
         return chosen or ({idx[0]} if row["forced"] and idx else set())
-    if name not in ("entropy_bounded", "dynamic_pmax"):
-        return None
-    bounded = name == "entropy_bounded"
-    total, chosen = (0.0, set()) if bounded else (1.0, set())
-    for i in order(h, masked, False) if bounded else order(c, masked, True):
-        total = total + h[i] if bounded else total * c[i]
-        if not (total < p.entropy_budget if bounded else total >= p.threshold):
-            break
-        chosen.add(i)
-    return forced_top1(chosen, row, "entropy", False) if bounded else forced_top1(chosen, row, "confidence", True)
+    if name == "entropy_bounded":
+        total, chosen = 0.0, set()
+        for i in order(h, masked, False):
+            total += h[i]
+            if not total < p.entropy_budget:
+                break
+            chosen.add(i)
+        return forced_top1(chosen, row, "entropy", False)
+    if name == "dynamic_pmax":
+        product, chosen = 1.0, set()
+        for i in order(c, masked, True):
+            product *= c[i]
+            if not product >= p.threshold:
+                break
+            chosen.add(i)
+        return forced_top1(chosen, row, "confidence", True)
+    return None
 
 
 def dream_strategy(name, row, p):
@@ -114,7 +120,8 @@ def dream_strategy(name, row, p):
     masked = row["masked"]
     t = 1 - (1 - p.dream_eps) * row["step"] / p.steps
     s = 1 - (1 - p.dream_eps) * (row["step"] + 1) / p.steps
-    count = sum(masked) if row["step"] >= p.steps - 1 else math.floor(sum(masked) * (1 - s / t))
+    remaining = len(positions(masked))
+    count = remaining if row["step"] >= p.steps - 1 else math.floor(remaining * (1 - s / t))
     score = {"maskgit_plus": row["confidence"], "topk_margin": row["margin"],
              "entropy": [-x for x in row["entropy"]]}[name]
     return set(order(score, masked, True)[:count])

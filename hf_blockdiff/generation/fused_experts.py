@@ -50,19 +50,16 @@ def _stock(module: torch.nn.Module) -> bool:
 
 
 def fused_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
-    """(module, forward) for every stock experts module of the model (none without Triton). Each forward is a method
-    bound from a module-level function, the same at every install: `fusion.decoding_mode` installs them at every
-    forward, and a compiled layer guards on the function it calls (a new function object per install, as a
-    functools.partial was, recompiled the layer at each forward up to dynamo's limit, then ran it eager:
-    DiffusionGemma at batch 16 took twice as long)."""
+    """(module, forward) for every stock experts module of the model (none without Triton): a method bound from a
+    module-level function, the same at every install (docs/design.md, "Kernels and backends", MoE experts)."""
     if not TRITON_AVAILABLE:
         return []
-    return [(m, (_experts_forward if grouped_mm_captures(m.gate_up_proj) else _few_pairs_forward).__get__(m))
+    return [(m, (_any_pairs_forward if grouped_mm_captures(m.gate_up_proj) else _few_pairs_forward).__get__(m))
             for m in model.modules() if _stock(m)]
 
 
-def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor) -> torch.Tensor:
+def _any_pairs_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
     """Every shape on the op: many pairs per expert too, on torch's grouped GEMM (`grouped_mm_captures`)."""
     return _forward(self, True, hidden_states, top_k_index, top_k_weights)
 

@@ -15,6 +15,7 @@ transformers' tp_plan="auto" over the launch's processes (tools/bench_models.py)
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 
@@ -227,6 +228,8 @@ def run_bench(args) -> None:
         report = bench(args)
     report["recompile_limits_hit"] = hits
     if not is_main_process():  # under --tensor-parallel every process decodes; the first one reports
+        for hit in hits:
+            print(f"warning: {hit}", file=sys.stderr)
         return
     print(json.dumps(report) if args.json else "", end="\n" if args.json else "")
     if not args.json:

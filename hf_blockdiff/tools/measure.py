@@ -62,9 +62,12 @@ def make_report(args, device_name: str, first: Measurement, results: list[Measur
 
 @contextmanager
 def recompile_limits_hit():
-    """The first line of each warning dynamo gives inside, that a compiled function hit its recompile limit: from
-    then on that function runs eager, a slowdown nothing else reports (the experts' forwards installed as a new
-    object per forward did that to DiffusionGemma's compiled layers: batch 16 at half speed)."""
+    """What dynamo says inside of each compiled function that hit its recompile limit and so runs eager from then on,
+    a slowdown nothing else reports (docs/design.md, "Kernels and backends": forwards installed as new objects did
+    that to DiffusionGemma's compiled layers): its warning's first two lines (limit, function), or, where logging
+    hides the warning, the count of such events from dynamo's counters."""
+    from torch._dynamo.utils import counters
+
     hits = []
 
     class Hits(logging.Handler):
@@ -73,9 +76,15 @@ def recompile_limits_hit():
             if "hit config." in message:
                 hits.append(" ".join(message.splitlines()[:2]))
 
-    logger, handler = logging.getLogger("torch._dynamo.convert_frame"), Hits(logging.WARNING)
+    def events() -> int:
+        return sum(n for key, n in counters["unimplemented"].items() if key.startswith("Dynamo recompile limit"))
+
+    logger, handler, before = logging.getLogger("torch._dynamo.convert_frame"), Hits(logging.WARNING), events()
     logger.addHandler(handler)
     try:
         yield hits
     finally:
         logger.removeHandler(handler)
+        unlogged = events() - before - len(hits)
+        hits.extend(["torch._dynamo hit its recompile limit (the warning naming the function was not logged)"]
+                    * max(unlogged, 0))
