@@ -69,10 +69,11 @@ class BlockDiffusionConfig:
     when the weights change) and a prompt starting with the same tokens reads them instead of computing them.
     Block-causal decoding with absolute blocks; 0: off (docs/design.md, "The cache").
     compile: run the decoder layers through torch.compile while decoding (inductor fuses norms, rotary embedding and
-    the MLP activation; shapes are dynamic, so it compiles once per layer class). None: with CUDA graphs (also for a
-    tensor-parallel model), unless its quantized weights compile badly or every decoder layer already runs fused at
-    ≤ 64 tokens per forward (stock Qwen2/Qwen3 layers beside the Triton backend, README "Cold start"). The first call
-    pays the compilation (tens of seconds for a 4B model).
+    the MLP activation; shapes are dynamic, so it compiles once per layer class), and on CUDA with graphs the step's
+    scheduler calls too (their tiny bookkeeping ops fuse: docs/design.md, "Kernels and backends"). None: with CUDA
+    graphs (also for a tensor-parallel model), unless its quantized weights compile badly or every decoder layer
+    already runs fused at ≤ 64 tokens per forward (stock Qwen2/Qwen3 layers beside the Triton backend, README "Cold
+    start"). The first call pays the compilation (tens of seconds for a 4B model).
 
     Sampling controls: repetition_penalty (transformers semantics, over the row's decided tokens),
     pos_temp_slope (T_i = T·(1 + slope·i/(B−1)) for position i of a block), confidence ("filtered": probability

@@ -1,11 +1,12 @@
-"""GPU checks (run on the device machine: `python -m pytest -m gpu tests`): Triton and CUDA graphs give the tokens
-of the eager sdpa path; graphs are reused across calls and freed; bf16 4B-shape decoding agrees with sdpa until
-the decision margin is within bf16 noise."""
+"""GPU checks (run on the device machine: `python -m pytest -m gpu tests`): Triton, CUDA graphs and compiled layers
+(with the compiled scheduler calls) give the tokens of the eager sdpa path; graphs are reused across calls and
+freed; bf16 4B-shape decoding agrees with sdpa until the decision margin is within bf16 noise."""
 
 import pytest
 import torch
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
+from hf_blockdiff.generation.step import PHASES, compiled_phase
 from hf_blockdiff.tools.bench import build_model
 from hf_blockdiff.kernels import flash
 from reference_loops import staircase
@@ -45,6 +46,8 @@ def test_triton_graphs_and_compile_equal_eager_sdpa_fp32(mode):
     triton_eager = generate(model, prompts, attention_backend="triton", cuda_graphs=False, **mode)
     graphs = generate(model, prompts, attention_backend="triton", cuda_graphs=True, compile=False, **mode)
     compiled = generate(model, prompts, attention_backend="triton", cuda_graphs=True, compile=True, **mode)
+    step = model._blockdiff_engine.decode_step  # compiled layers come with the compiled scheduler calls
+    assert [getattr(step, name).__func__ for name in PHASES] == [compiled_phase(name) for name in PHASES]
     assert torch.equal(eager.sequences, triton_eager.sequences)
     assert torch.equal(eager.sequences, graphs.sequences)
     assert torch.equal(eager.sequences, compiled.sequences)

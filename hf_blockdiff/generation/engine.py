@@ -99,7 +99,10 @@ class Engine:
         fusion = fusion_for(cfg, backend, graphs, device, model, slots)
         self.executor = ModelExecutor(model, cfg, backend, fusion, slots, width, device, pool_tokens,
                                       None if store is None else store.cache)
-        self.decode_step = DecodeStep(self.scheduler, self.executor)
+        # compiled where the layers are (the step's tiny bookkeeping kernels then fuse: docs/design.md, "Kernels and
+        # backends"); on CUDA only, where each kernel it removes is a launch
+        self.decode_step = DecodeStep(self.scheduler, self.executor, graphs and device.type == "cuda"
+                                      and fusion == "compile")
         guided = cfg.cfg_scale > 0  # the unconditional canvases mask the prompt: their prefix differs
         if store is None and cfg.prefix_cache_tokens:
             store = PrefixStore(self.executor.cache, cfg.block_size, cfg.prefix_cache_tokens)

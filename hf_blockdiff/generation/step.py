@@ -1,20 +1,24 @@
 """One decode step, top to bottom (docs/design.md, "Architecture").
 
-    layout  = scheduler.forward_layout()       which tokens run, where their keys are
+    status, layout = scheduler.plan()          which tokens run, where their keys are
     hidden  = executor.forward(layout)         the HF forward over the paged cache
     stored  = scheduler.stored(...)            what that forward committed ...
               executor.commit(stored, ...)     ... advances the cache (and Fast-dLLM v2 decides a first token)
     request = scheduler.score_request(...)     the undecided positions of the active blocks
     scores  = executor.score(request, ...)     LM head, guidance, processors, proposal/confidence/entropy
-              scheduler.check_scores(...)      flags slots whose scores are inf/nan (the call then fails)
-    scheduler.apply(scheduler.decide(...))     the strategy's Decision, written by the state's one writer
-    scheduler.end_step()                       finished slots, and the next forward's plan
+    scheduler.conclude(request, status, scores)  flags slots whose scores are inf/nan (the call then fails), writes
+                                               the strategy's Decision (the state's one writer), finds finished
+                                               slots and plans the next forward
 
 With capacities given every shape is fixed and nothing syncs with the host, so the step can be captured as a CUDA
-graph (`graphs.StepGraphs`); without, it is sized to the work and skips the forward when no slot has any.
+graph (`graphs.StepGraphs`); without, it is sized to the work and skips the forward when no slot has any. With
+`compiled_bookkeeping` the scheduler's four calls run through torch.compile: inductor fuses their few hundred tiny
+tensor ops into a few dozen kernels (docs/design.md, "Kernels and backends": compiled bookkeeping).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -22,23 +26,35 @@ from ..scheduler import Decision, ForwardLayout, Scheduler, Stored
 from .executor import ModelExecutor
 from .pages import Admission
 
+PHASES = ("plan", "stored", "score_request", "conclude")  # the scheduler's calls in a step
+
+
+@functools.cache
+def compiled_phase(name: str):
+    """`Scheduler.<name>` through torch.compile: one function per phase for every scheduler, so every engine shares
+    one dynamo cache: a configuration compiles once per process (after dynamo's recompile limit, 8 configurations
+    per process, a further one runs eager, with dynamo's warning and `hf-blockdiff bench`'s report)."""
+    return torch.compile(getattr(Scheduler, name))
+
 
 class DecodeStep:
-    def __init__(self, scheduler: Scheduler, executor: ModelExecutor):
+    def __init__(self, scheduler: Scheduler, executor: ModelExecutor, compiled_bookkeeping: bool = False):
         self.scheduler, self.executor = scheduler, executor
+        phases = [compiled_phase(name).__get__(scheduler) if compiled_bookkeeping else getattr(scheduler, name)
+                  for name in PHASES]
+        self.plan, self.stored, self.score_request, self.conclude = phases
 
     def __call__(self, chunk_capacity: int | None = None, logit_capacity: int | None = None) -> None:
-        scheduler, executor = self.scheduler, self.executor
-        if chunk_capacity is not None or scheduler.has_work():
-            status = scheduler.state.status()
-            layout = scheduler.forward_layout(chunk_capacity)
-            hidden, hidden_uncond = executor.forward(layout)
-            self._store(layout, scheduler.stored(layout.chunks), hidden)
-            request = scheduler.score_request(status, logit_capacity)
-            scores = executor.score(request, layout.chunks, hidden, hidden_uncond)
-            scheduler.check_scores(request, scores)
-            scheduler.apply(scheduler.decide(request, status, scores))
-        scheduler.end_step()
+        executor = self.executor
+        if chunk_capacity is None and not self.scheduler.has_work():
+            self.scheduler.end_step()
+            return
+        status, layout = self.plan(chunk_capacity)
+        hidden, hidden_uncond = executor.forward(layout)
+        self._store(layout, self.stored(layout.chunks), hidden)
+        request = self.score_request(status, logit_capacity)
+        scores = executor.score(request, layout.chunks, hidden, hidden_uncond)
+        self.conclude(request, status, scores)
 
     def admit(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor,
               admissions: list[Admission]) -> None:

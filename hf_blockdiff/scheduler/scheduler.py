@@ -1,10 +1,11 @@
 """The scheduler: decode state, window policy and strategy, and nothing of the model (docs/design.md, "Architecture").
 
-Per step it lays out the next forward (`forward_layout`), says what that forward stored (`stored`), asks for scores
-of the undecided positions of the active blocks (`score_request`), turns the scores into a `Decision` (`decide`) and
-prepares the step after (`end_step`). The model executor fills in hidden states and scores between those calls. All
-of it is tensor ops on fixed shapes: with capacities given, a step has no host sync and can be captured as a CUDA
-graph.
+Per step it lays out the next forward (`plan`: the block status and `forward_layout`), says what that forward
+stored (`stored`), asks for scores of the undecided positions of the active blocks (`score_request`), and concludes
+the step (`conclude`): flags non-finite scores (`check_scores`), turns the scores into a `Decision` it writes
+(`decide`, `apply`) and prepares the step after (`end_step`). The model executor fills in hidden states and scores
+between those calls. All of it is tensor ops on fixed shapes: with capacities given, a step has no host sync and can
+be captured as a CUDA graph (and compiled: generation/step.py).
 """
 
 from __future__ import annotations
@@ -139,6 +140,10 @@ class Scheduler:
     def has_work(self) -> bool:
         """Whether the prepared forward has any chunk (a host sync)."""
         return bool(self.chunk_total)
+
+    def plan(self, capacity: int | None) -> tuple[BlockStatus, ForwardLayout]:
+        """A step's start: the canvas's block status and the prepared forward, in `capacity` chunks."""
+        return self.state.status(), self.forward_layout(capacity)
 
     def forward_layout(self, capacity: int | None) -> ForwardLayout:
         """The prepared forward, in `capacity` chunks (None: as many as needed). A fixed-shape forward with nothing
@@ -281,6 +286,12 @@ class Scheduler:
 
     def apply(self, decision: Decision) -> None:
         self.state.apply(decision)
+
+    def conclude(self, request: ScoreRequest, status: BlockStatus, scores: Scores) -> None:
+        """A step's end: flag non-finite scores, write the strategy's decision, prepare the next forward."""
+        self.check_scores(request, scores)
+        self.apply(self.decide(request, status, scores))
+        self.end_step()
 
     def end_step(self) -> None:
         """Mark finished slots, then prepare the next forward of the others."""

@@ -293,8 +293,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--attention-backend", default="auto", help=f"attention kernels: "
                         f"{', '.join(ATTENTION_BACKENDS)} (default: %(default)s: Triton on CUDA, sdpa on CPU)")
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                        help="torch.compile the decoder layers: auto, on, off (default: %(default)s, on with CUDA "
-                        "graphs)")
+                        help="torch.compile the decoder layers and the step's bookkeeping: auto, on, off (default: "
+                        "%(default)s, the config's compile=None)")
     parser.add_argument("--skip-reference", action="store_true", help="time hf_blockdiff only (default: off)")
     parser.add_argument("--kernels", action="store_true",
                         help="run the kernel microbenchmarks instead (default: off)")

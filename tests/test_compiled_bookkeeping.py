@@ -1,0 +1,42 @@
+"""The scheduler's share of a step through torch.compile (generation/step.py, `compiled_bookkeeping`): the engine
+turns it on beside compiled layers on CUDA; here it is forced on CPU, where CUDA-graph steps run eagerly at the same
+fixed shapes, and must give the eager scheduler's tokens, step counts and per-token records."""
+
+import pytest
+import torch
+
+from hf_blockdiff import BlockDiffusionConfig, free_cache
+from hf_blockdiff.generation import engine as engine_module
+from hf_blockdiff.generation.step import PHASES, DecodeStep, compiled_phase
+
+from helpers import MASK, left_pad, random_prompts
+
+MODES = {  # several active blocks and a float-scored strategy; sampling with per-position temperatures
+    "multi_block": dict(attention="block_causal", alignment="prompt_end", logit_shift=True, max_active_blocks=3,
+                        block_add_threshold=0.5, decoded_token_threshold=0.5, strategy="entropy_threshold",
+                        threshold=1.0),
+    "sampled": dict(attention="block_causal", alignment="absolute", temperature=0.9, pos_temp_slope=0.5,
+                    strategy="low_confidence_dynamic", threshold=0.6),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_compiled_bookkeeping_keeps_every_token(qwen3, mode, monkeypatch):
+    ids, mask = left_pad(random_prompts((9, 4, 6), seed=14))
+    cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=12, eos_token_id=[],
+                               cuda_graphs=True, **MODES[mode])
+
+    def run():
+        generator = torch.Generator().manual_seed(3)
+        return qwen3.generate_multi_block(ids, cfg, attention_mask=mask, generator=generator, return_dict=True)
+
+    eager = run()
+    free_cache(qwen3)  # the next call builds its engine, with the compiled scheduler calls
+    monkeypatch.setattr(engine_module, "DecodeStep", lambda scheduler, executor, _: DecodeStep(scheduler, executor, True))
+    compiled = run()
+    step = qwen3._blockdiff_engine.decode_step
+    assert [getattr(step, name).__func__ for name in PHASES] == [compiled_phase(name) for name in PHASES]
+    assert torch.equal(eager.sequences, compiled.sequences)
+    assert eager.num_forwards == compiled.num_forwards
+    for record in ("logprobs", "entropies", "commit_step"):
+        assert torch.equal(getattr(eager, record), getattr(compiled, record)), record
