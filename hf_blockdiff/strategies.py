@@ -11,7 +11,7 @@ Ties between positions go to the lowest position. No strategy synchronizes with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -51,6 +51,11 @@ class StrategyParams:
     forced_token_scope: str = "lowest_full_block"
     editing_threshold: float | None = None
     remask_threshold: float | None = None
+    log_threshold: float = field(init=False)  # dynamic_pmax's, on the host once (not a host sync in every step)
+
+    def __post_init__(self):
+        log = torch.log(torch.tensor(self.threshold, dtype=torch.float64)).item() if self.threshold > 0 else -INF
+        object.__setattr__(self, "log_threshold", log)
 
 
 @dataclass(frozen=True)
@@ -208,9 +213,8 @@ def _entropy_bounded(s, p):
 
 
 def _dynamic_pmax(s, p):
-    log_threshold = torch.log(torch.tensor(p.threshold, dtype=torch.float64)).item() if p.threshold > 0 else -INF
     chosen, _ = prefix_of_sorted(
-        -s.confidence, s.masked, lambda neg_c: torch.log(-neg_c).cumsum(-1) >= log_threshold
+        -s.confidence, s.masked, lambda neg_c: torch.log(-neg_c).cumsum(-1) >= p.log_threshold
     )
     return _with_forced_top1(s, p, chosen, -s.confidence)
 

@@ -1,9 +1,11 @@
 """The scheduler's share of a step through torch.compile (generation/step.py, `compiled_bookkeeping`): the engine
 turns it on beside compiled layers on CUDA; here it is forced on CPU, where CUDA-graph steps run eagerly at the same
-fixed shapes, and must give the eager scheduler's tokens, step counts and per-token records."""
+fixed shapes, and must compile whole (no graph break, no fallback) and give the eager scheduler's tokens, step counts
+and per-token records."""
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
 from hf_blockdiff.generation import engine as engine_module
@@ -11,13 +13,18 @@ from hf_blockdiff.generation.step import PHASES, DecodeStep, compiled_phase
 
 from helpers import MASK, left_pad, random_prompts
 
-MODES = {  # several active blocks and a float-scored strategy; sampling with per-position temperatures
+MODES = {  # several active blocks and an entropy-scored strategy; sampling, per-position temperatures, a strategy
+    # with a float threshold of its own (dynamic_pmax's log threshold)
     "multi_block": dict(attention="block_causal", alignment="prompt_end", logit_shift=True, max_active_blocks=3,
                         block_add_threshold=0.5, decoded_token_threshold=0.5, strategy="entropy_threshold",
                         threshold=1.0),
     "sampled": dict(attention="block_causal", alignment="absolute", temperature=0.9, pos_temp_slope=0.5,
-                    strategy="low_confidence_dynamic", threshold=0.6),
+                    strategy="dynamic_pmax", threshold=0.3),
 }
+
+
+def _compiled_step(scheduler, executor, _):
+    return DecodeStep(scheduler, executor, True)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -32,10 +39,14 @@ def test_compiled_bookkeeping_keeps_every_token(qwen3, mode, monkeypatch):
 
     eager = run()
     free_cache(qwen3)  # the next call builds its engine, with the compiled scheduler calls
-    monkeypatch.setattr(engine_module, "DecodeStep", lambda scheduler, executor, _: DecodeStep(scheduler, executor, True))
+    monkeypatch.setattr(engine_module, "DecodeStep", _compiled_step)
+    counters.clear()
     compiled = run()
     step = qwen3._blockdiff_engine.decode_step
+    free_cache(qwen3)
     assert [getattr(step, name).__func__ for name in PHASES] == [compiled_phase(name) for name in PHASES]
+    assert counters["stats"]["unique_graphs"] >= len(PHASES) and not counters["graph_break"]
+    assert not [key for key in counters["unimplemented"] if "recompile limit" in key]
     assert torch.equal(eager.sequences, compiled.sequences)
     assert eager.num_forwards == compiled.num_forwards
     for record in ("logprobs", "entropies", "commit_step"):

@@ -32,13 +32,13 @@ PHASES = ("plan", "stored", "score_request", "conclude")  # the scheduler's call
 @functools.cache
 def compiled_phase(name: str):
     """`Scheduler.<name>` through torch.compile: one function per phase for every scheduler, so every engine shares
-    one dynamo cache: a configuration compiles once per process (after dynamo's recompile limit, 8 configurations
-    per process, a further one runs eager, with dynamo's warning and `hf-blockdiff bench`'s report)."""
+    one dynamo cache, where a configuration takes one or two entries (past dynamo's recompile limit of 8 a further
+    configuration runs eager, with dynamo's warning and `hf-blockdiff bench`'s report)."""
     return torch.compile(getattr(Scheduler, name))
 
 
 class DecodeStep:
-    def __init__(self, scheduler: Scheduler, executor: ModelExecutor, compiled_bookkeeping: bool = False):
+    def __init__(self, scheduler: Scheduler, executor: ModelExecutor, compiled_bookkeeping: bool):
         self.scheduler, self.executor = scheduler, executor
         phases = [compiled_phase(name).__get__(scheduler) if compiled_bookkeeping else getattr(scheduler, name)
                   for name in PHASES]

@@ -5,7 +5,7 @@ stored (`stored`), asks for scores of the undecided positions of the active bloc
 the step (`conclude`): flags non-finite scores (`check_scores`), turns the scores into a `Decision` it writes
 (`decide`, `apply`) and prepares the step after (`end_step`). The model executor fills in hidden states and scores
 between those calls. All of it is tensor ops on fixed shapes: with capacities given, a step has no host sync and can
-be captured as a CUDA graph (and compiled: generation/step.py).
+be captured as a CUDA graph, and compiled (docs/design.md, "Kernels and backends": compiled bookkeeping).
 """
 
 from __future__ import annotations
@@ -91,6 +91,12 @@ class Scheduler:
         self.active = torch.zeros_like(state.full)  # the next forward's plan, in fixed buffers
         self.store, self.span_start, self.span_end = (torch.zeros_like(state.added) for _ in range(3))
         self.chunk_total = torch.zeros((), dtype=torch.long, device=device)
+        # T_i = T·(1 + slope·i/(B−1)) for block offset i, computed here once, eagerly: in a compiled step inductor
+        # would divide by B−1 as a product with its reciprocal, 1 ulp off on some offsets
+        self.position_temperature = None
+        if cfg.pos_temp_slope and cfg.temperature > 0:
+            offsets, span = torch.arange(cfg.block_size, device=device).float(), max(cfg.block_size - 1, 1)
+            self.position_temperature = cfg.temperature * (1 + cfg.pos_temp_slope * offsets / span)
 
     @property
     def num_forwards(self) -> int:
@@ -190,10 +196,8 @@ class Scheduler:
             pick = torch.sort((~flat).to(torch.int8), stable=True).indices[:capacity]
         rows, positions = rows_all.reshape(-1)[pick], active.positions.reshape(-1)[pick]
         offsets = pick % active.positions.shape[-1]
-        temperature = preceding = None
-        if self.cfg.pos_temp_slope and self.cfg.temperature > 0:
-            span = max(self.cfg.block_size - 1, 1)
-            temperature = self.cfg.temperature * (1 + self.cfg.pos_temp_slope * offsets.float() / span)
+        temperature = None if self.position_temperature is None else self.position_temperature[offsets]
+        preceding = None
         if self.cfg.edit_penalty:
             before = state.canvas[rows, (positions - 1).clamp(0, state.width)]
             preceding = torch.where(offsets > 0, before, -1)
