@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
-from hf_blockdiff.generation.step import PHASES, compiled_phase
+from hf_blockdiff.generation import engine as engine_module
+from hf_blockdiff.generation.step import PHASES, DecodeStep, compiled_phase
 from hf_blockdiff.tools.bench import build_model
 from hf_blockdiff.kernels import flash
 from reference_loops import staircase
@@ -52,6 +53,33 @@ def test_triton_graphs_and_compile_equal_eager_sdpa_fp32(mode):
     assert torch.equal(eager.sequences, graphs.sequences)
     assert torch.equal(eager.sequences, compiled.sequences)
     assert eager.num_forwards == graphs.num_forwards
+
+
+def _eager_bookkeeping(scheduler, executor, _):
+    return DecodeStep(scheduler, executor, False)
+
+
+@pytest.mark.parametrize("mode", [
+    dict(attention="block_causal", block_size=8, temperature=0.9, pos_temp_slope=0.7),  # per-position temperatures
+    dict(attention="block_causal", alignment="prompt_end", max_active_blocks=3, block_add_threshold=0.5,
+         decoded_token_threshold=0.5, strategy="entropy_threshold", threshold=1.0, eos_fill=True,
+         eos_token_id=[29]),  # d3LLM's EOS fill after a stop token
+    dict(attention="bidirectional", block_size=8, strategy="maskgit_plus", steps_per_block=7),  # Dream's schedule
+])
+def test_compiled_bookkeeping_equals_eager_bookkeeping(mode, monkeypatch):
+    """Compiled layers with the scheduler calls compiled or eager: the same tokens, forwards and per-token records,
+    in the modes whose bookkeeping does float arithmetic or runs only with stop tokens."""
+    model = tiny_model("qwen3").to(CUDA)
+    prompts = random_prompts((9, 4, 6, 13, 5), seed=35)
+    run = dict(attention_backend="triton", cuda_graphs=True, compile=True, **mode)
+    compiled = generate(model, prompts, **run)
+    free_cache(model)
+    monkeypatch.setattr(engine_module, "DecodeStep", _eager_bookkeeping)
+    eager = generate(model, prompts, **run)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert compiled.num_forwards == eager.num_forwards
+    for record in ("logprobs", "entropies", "commit_step"):
+        assert torch.equal(getattr(compiled, record), getattr(eager, record)), record
 
 
 @pytest.mark.parametrize("max_batch_size, store", [(None, 0), (5, 0), (5, 64)])
