@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 from hf_blockdiff import BlockDiffusionConfig, free_cache
 from hf_blockdiff.generation import engine as engine_module
 from hf_blockdiff.generation.step import PHASES, DecodeStep, compiled_phase
+from hf_blockdiff.tools.measure import recompile_limits_hit
 
 from helpers import MASK, left_pad, random_prompts
 
@@ -41,12 +42,13 @@ def test_compiled_bookkeeping_keeps_every_token(qwen3, mode, monkeypatch):
     free_cache(qwen3)  # the next call builds its engine, with the compiled scheduler calls
     monkeypatch.setattr(engine_module, "DecodeStep", _compiled_step)
     counters.clear()
-    compiled = run()
+    with recompile_limits_hit() as hits:
+        compiled = run()
     step = qwen3._blockdiff_engine.decode_step
     free_cache(qwen3)
     assert [getattr(step, name).__func__ for name in PHASES] == [compiled_phase(name) for name in PHASES]
     assert counters["stats"]["unique_graphs"] >= len(PHASES) and not counters["graph_break"]
-    assert not [key for key in counters["unimplemented"] if "recompile limit" in key]
+    assert hits == []
     assert torch.equal(eager.sequences, compiled.sequences)
     assert eager.num_forwards == compiled.num_forwards
     for record in ("logprobs", "entropies", "commit_step"):

@@ -48,8 +48,9 @@ def fusion_for(cfg: BlockDiffusionConfig, backend: AttentionBackend, graphs: boo
     """"compile" (config `compile`), else "norms" beside a backend that fuses them, else "none". `compile=None`
     compiles with CUDA graphs, unless the weights compile badly (bitsandbytes, torchao int8) or every decoder layer
     runs fused at few tokens beside fused norms, where compiling the layers buys nothing and its first call costs
-    (README "Cold start"; `compile=True` there also compiles the step's bookkeeping, which buys 8–9 %). Tensor-parallel layers compile too: their collectives trace into the compiled layers (docs/design.md,
-    "Kernels and backends")."""
+    (README "Cold start"; `compile=True` there also compiles the step's bookkeeping, which buys 8–9 %).
+    Tensor-parallel layers compile too: their collectives trace into the compiled layers (docs/design.md, "Kernels
+    and backends")."""
     compile_ = cfg.compile
     if compile_ is None:
         fused = backend.fuses_norms and fully_fused(model) and few_tokens(cfg, rows)
