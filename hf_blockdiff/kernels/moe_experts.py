@@ -21,11 +21,14 @@ sizes back to the host except for bfloat16 on compute capability 9.0 and 10.0, s
 capture it (`grouped_mm_captures`). Reference: `moe_experts_reference`.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from . import TRITON_AVAILABLE, require_triton
 from .compile_ahead import launch
+from .device_limits import fitting, shared_memory_limit, shrinking
 
 MAX_PAIRS_PER_EXPERT = 32
 # torch >= 2.10 (transformers notes that the private torch._grouped_mm of torch <= 2.8 runs on Hopper only)
@@ -71,6 +74,23 @@ def weighted_sum_reference(pair_out: torch.Tensor, top_k_weights: torch.Tensor, 
     for j in range(top_k):
         total += (rows[:, j] * top_k_weights[:, j, None]).float()
     return total.to(pair_out.dtype)
+
+
+def _shared_bytes(config: dict, gated: bool, element_size: int) -> int:
+    """The experts kernel's pipelined tiles, num_stages deep: x [BLOCK_M, BLOCK_K] and a weight tile
+    [BLOCK_N, BLOCK_K] (gate and up when gated). What Triton 3.9 gives it on sm_90; an upper bound on sm_80."""
+    tiles = config["BLOCK_M"] + config["BLOCK_N"] * (2 if gated else 1)
+    return config["num_stages"] * tiles * config["BLOCK_K"] * element_size
+
+
+@functools.lru_cache(maxsize=None)
+def _configs(block_m: int, long_rows: bool, gated: bool, element_size: int, limit: int | None) -> tuple:
+    """The experts kernel's candidate configurations (`device_limits`): the H200 choice (64 columns, K steps of 128
+    for rows of 1,024 and more, else 64; three stages gated, else four), then shorter K steps, fewer stages, columns
+    and rows, those that fit `limit`."""
+    first = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128 if long_rows else 64, "num_stages": 3 if gated else 4}
+    candidates = shrinking(first, (("BLOCK_K", 32), ("num_stages", 2), ("BLOCK_N", 16), ("BLOCK_M", 16)))
+    return fitting(candidates, lambda config: _shared_bytes(config, gated, element_size), limit)
 
 
 def few_pairs(tokens: int, top_k: int, experts: int) -> bool:
@@ -255,11 +275,10 @@ if TRITON_AVAILABLE:
         experts, width = weights.shape[0], out.shape[1]
         average = order.shape[0] / experts
         block_m = 16 if average <= 8 else 32 if average <= 24 else 64
-        launch(_experts_kernel, (experts, triton.cdiv(width, 64)),
+        configs = _configs(block_m, x.shape[1] >= 1024, act > 0, x.element_size(), shared_memory_limit(x.device))
+        launch(_experts_kernel, lambda config: (experts, triton.cdiv(width, config["BLOCK_N"])),
                x, order, offsets, weights, out, top_k, x.shape[1], width,
-               ACT=act, IEEE=ieee_products(x.dtype),
-               BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128 if x.shape[1] >= 1024 else 64, num_warps=4,
-               num_stages=3 if act else 4)
+               ACT=act, IEEE=ieee_products(x.dtype), num_warps=4, configs=configs)
 
     @custom_op("hf_blockdiff::moe_experts", mutates_args=())
     def _moe_experts_op(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

@@ -14,6 +14,7 @@ import torch
 from . import TRITON_AVAILABLE, require_triton
 from .compile_ahead import launch
 from .dependent_launch import dependent_launch, launch_options
+from .device_limits import fitting, shared_memory_limit, shrinking
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, q_limit, scale, q_start=None):
@@ -86,35 +87,47 @@ def _block_m(rows, row_bytes, wide):
     return min(most, max(16, triton.next_power_of_2(rows)))
 
 
-@functools.lru_cache(maxsize=None)
-def _shared_memory(device_index):
-    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
-
-
 def _wide_tiles(block_d, q):
-    """16-bit heads of dim 256 and 512 (DiffusionGemma) where 192 KiB of shared memory fit (Hopper; not an A100's
-    164 KiB): bigger tiles, eight warps, two stages (`_key_tiles`)."""
+    """16-bit heads of dim 256 and 512 (DiffusionGemma) where their 192 KiB of shared memory fit (Hopper; not an
+    A100's 163 KiB): bigger tiles, eight warps, two stages (`_key_tiles`). The interpreter runs them too."""
     if q.element_size() != 2 or block_d not in (256, 512):
         return False
-    if q.device.type != "cuda":
-        return True  # the interpreter: the tests run these tiles
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _shared_memory(index) >= 192 * 1024
+    row_bytes = block_d * q.element_size()
+    widest = {"BLOCK_M": _block_m(128, row_bytes, True), **_key_tiles(128, row_bytes, True, 1)}
+    limit = shared_memory_limit(q.device)
+    return limit is None or _shared_bytes(widest, row_bytes) <= limit
 
 
 def _key_tiles(block_m, row_bytes, wide, splits):
-    """(key-tile rows, warps, pipeline stages): K and V tiles of at most 16 KiB each three stages deep (128 KiB of
+    """Key-tile rows, warps and pipeline stages: K and V tiles of at most 16 KiB each three stages deep (128 KiB of
     shared memory with the q tile), or for heads wider than 256 (bf16) of 32 KiB two stages deep. `wide` tiles:
     32 KiB K and V tiles two stages deep under eight warps (on an H200 a DiffusionGemma canvas's sliding layer went
     from 316 to 257 us at batch 16 against 64 query rows, four warps and three stages, and a global layer from 1,199
     to 1,118 us against 32 query rows and four warps)."""
     if wide:
-        return 32768 // row_bytes, 8, 2
+        return {"BLOCK_N": 32768 // row_bytes, "num_warps": 8, "num_stages": 2}
     if block_m == 128 and row_bytes == 256 and splits == 1:
-        return 32, 4, 3  # measured on an H200: ~10 % faster for head dim 128 on a full grid
+        # measured on an H200: ~10 % faster for head dim 128 on a full grid
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
     if row_bytes > 512:
-        return max(16, 32768 // row_bytes), 4, 2
-    return max(16, min(64, 16384 // row_bytes)), 8 if block_m == 128 else 4, 3
+        return {"BLOCK_N": max(16, 32768 // row_bytes), "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": max(16, min(64, 16384 // row_bytes)), "num_warps": 8 if block_m == 128 else 4, "num_stages": 3}
+
+
+def _shared_bytes(config, row_bytes):
+    """The q tile [BLOCK_M, BLOCK_D] and, num_stages deep, a K and a V tile [BLOCK_N, BLOCK_D], plus 1 KiB for the
+    softmax statistics' reductions: an upper bound of what Triton 3.9 gives the kernel (compiled for sm_80 and
+    sm_90: q and K/V tiles as here at two stages on sm_90, fewer K/V buffers elsewhere, at most 256 bytes more)."""
+    return (config["BLOCK_M"] + 2 * config["num_stages"] * config["BLOCK_N"]) * row_bytes + 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _configs(block_m, row_bytes, wide, splits, limit):
+    """The launch's candidate configurations (`device_limits`): `_key_tiles`' choice, then fewer stages, key rows
+    and query rows, and last no pipelining (float32 heads of dim 512 on a card of 99 KiB), those that fit `limit`."""
+    first = {"BLOCK_M": block_m, **_key_tiles(block_m, row_bytes, wide, splits)}
+    candidates = shrinking(first, (("num_stages", 2), ("BLOCK_N", 16), ("BLOCK_M", 16), ("num_stages", 1)))
+    return fitting(candidates, lambda config: _shared_bytes(config, row_bytes), limit)
 
 
 def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=None, q_start=None):
@@ -144,8 +157,7 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
     m_tiles = triton.cdiv(rows, block_m)
     capacity = page_table.shape[1] * page_size
     splits = num_splits or _auto_splits(R * Hkv * m_tiles, rows, block_d, capacity, q.device)
-    block_n, num_warps, num_stages = _key_tiles(block_m, row_bytes, wide, splits)
-    split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
+    configs = _configs(block_m, row_bytes, wide, splits, shared_memory_limit(q.device))
     overlap = dependent_launch(q.device)
     if splits > 1:
         part_o = torch.empty(splits, R, W, Hq, D, device=q.device, dtype=torch.float32)
@@ -153,15 +165,15 @@ def paged_attention(q, k_pages, v_pages, page_table, q_limit, scale, num_splits=
     else:
         part_o = part_ml = out
 
-    launch(_paged_attention_kernel, (m_tiles, R * Hkv, splits),
+    launch(_paged_attention_kernel, lambda config: (triton.cdiv(rows, config["BLOCK_M"]), R * Hkv, splits),
         q, k_pages, v_pages, page_table, q_limit, starts, out, part_o, part_ml,
         q.stride(0), q.stride(1), q.stride(2),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         page_table.stride(0), q_limit.stride(0), q_limit.stride(1),
-        W, Hkv, split_len, scale * math.log2(math.e),
-        GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        W, Hkv, triton.cdiv(capacity, splits), scale * math.log2(math.e),
+        GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_D=block_d,
         SPLIT=splits > 1, DOT_PRECISION=_dot_precision(q), HAS_START=q_start is not None, GDC=overlap,
-        num_warps=num_warps, num_stages=num_stages, **launch_options(overlap),
+        configs=configs, **launch_options(overlap),
     )
     if splits > 1:
         launch(_merge_splits_kernel, (R * W * Hq,),
@@ -192,7 +204,7 @@ if TRITON_AVAILABLE:
         s_qr, s_qh, s_qw,
         s_kp, s_ks, s_kh,
         s_pt, s_lr, s_lw,
-        W, Hkv, split_len, qk_scale,
+        W, Hkv, split_keys, qk_scale,
         GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
         HAS_START: tl.constexpr, GDC: tl.constexpr,
@@ -213,12 +225,8 @@ if TRITON_AVAILABLE:
             q_ptr + r.to(tl.int64) * s_qr + head[:, None] * s_qh + w[:, None] * s_qw + offs_d[None, :],
             mask=row_ok[:, None] & d_ok[None, :], other=0.0,
         )
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, tl.max(lim, 0))
-        first = tl.zeros([BLOCK_M], tl.int32)
-        if HAS_START:  # sliding-window rows: keys before the tile's earliest window start are skipped, not read
-            first = tl.load(start_ptr + r * s_lr + w * s_lw, mask=row_ok, other=0)
-            lo = tl.maximum(lo, tl.min(tl.where(row_ok, first, hi), 0))
+        lo, hi, first = _key_range(start_ptr + r * s_lr + w * s_lw, lim, row_ok, split, split_keys,
+                                   BLOCK_M, BLOCK_N, HAS_START)
         pt_row = pt_ptr + r * s_pt
         kv_head = hkv * s_kh + offs_d[None, :]
 
@@ -247,6 +255,19 @@ if TRITON_AVAILABLE:
         _store_tile(acc, m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, o_row,
                     split * (tl.num_programs(1) * W * GROUP).to(tl.int64),
                     row_ok, d_ok, offs_d, HEAD_DIM, SPLIT)
+
+    @triton.jit
+    def _key_range(start_ptrs, lim, row_ok, split, split_keys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_START: tl.constexpr):
+        """The tile's keys [lo, hi) in its split (whole key tiles of split_keys) and each row's first visible key."""
+        split_len = tl.cdiv(split_keys, BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, tl.max(lim, 0))
+        first = tl.zeros([BLOCK_M], tl.int32)
+        if HAS_START:  # sliding-window rows: keys before the tile's earliest window start are skipped, not read
+            first = tl.load(start_ptrs, mask=row_ok, other=0)
+            lo = tl.maximum(lo, tl.min(tl.where(row_ok, first, hi), 0))
+        return lo, hi, first
 
     @triton.jit
     def _store_tile(acc, m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, o_row, split_base, row_ok, d_ok, offs_d,

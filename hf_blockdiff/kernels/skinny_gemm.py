@@ -18,12 +18,15 @@ tensor cores) and streams its weight rows once; fp32 accumulation, fp32 inputs m
 Outputs agree with `torch.nn.functional.linear` to the summation order.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from . import TRITON_AVAILABLE, require_triton
 from .compile_ahead import launch
 from .dependent_launch import dependent_launch, launch_options
+from .device_limits import fitting, shared_memory_limit, shrinking
 
 MAX_ROWS = 64
 ONE_WEIGHT_MAX_ROWS = 16  # one weight alone beats cuBLAS only up to here (H200: at 32 rows its down projection wins)
@@ -64,6 +67,25 @@ def _tiles(n_out: int, width: int, gated: bool, block_m: int) -> tuple[int, int,
         return (32 if block_m == 16 else 64), 128, 3
     block_k = 128 if block_m == 64 else 512 if width >= 4096 else 256
     return (64 if n_out > 4096 else 32), block_k, 4
+
+
+def _shared_bytes(config: dict, block_m: int, gated: bool, element_size: int) -> int:
+    """An upper bound of the shared memory Triton 3.9 gives the kernel: per pipeline stage an x tile
+    [BLOCK_M, BLOCK_K] and a weight tile [BLOCK_N, BLOCK_K] (two when gated), num_stages of them, one more from 64
+    rows on (compiled for sm_80, sm_86, sm_90 and sm_120: num_stages - 1 tile buffers, but num_stages + 1 from 64
+    rows on sm_90, where the dot runs as Hopper's warp-group MMA)."""
+    tiles = (block_m + config["BLOCK_N"] * (2 if gated else 1)) * config["BLOCK_K"] * element_size
+    return (config["num_stages"] + (block_m >= 64)) * tiles
+
+
+@functools.lru_cache(maxsize=None)
+def _configs(n_out: int, width: int, gated: bool, block_m: int, element_size: int, limit: int | None) -> tuple:
+    """The launch's candidate configurations (`device_limits`): `_tiles`' choice, then shorter K steps, fewer
+    stages, fewer columns, those that fit `limit`."""
+    block_n, block_k, stages = _tiles(n_out, width, gated, block_m)
+    first = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_stages": stages}
+    candidates = shrinking(first, (("BLOCK_K", 32), ("num_stages", 2), ("BLOCK_N", 16)))
+    return fitting(candidates, lambda config: _shared_bytes(config, block_m, gated, element_size), limit)
 
 
 def grouped_linear(x: torch.Tensor, weights: list, biases: list) -> list:
@@ -189,17 +211,19 @@ if TRITON_AVAILABLE:
         widths = [w.shape[0] for w in weights] + [0] * (3 - len(weights))
         has_bias = biases[0] is not None
         block_m = max(16, triton.next_power_of_2(rows))
-        block_n, block_k, stages = _tiles(sum(widths), width, gated, block_m)
-        programs = triton.cdiv(widths[0], block_n) if gated else sum(triton.cdiv(n, block_n) for n in widths)
+        configs = _configs(sum(widths), width, gated, block_m, x.element_size(), shared_memory_limit(x.device))
         overlap = dependent_launch(x.device)
-        launch(_skinny_kernel, (programs,),
+        launch(_skinny_kernel, lambda config: (_programs(widths, gated, config["BLOCK_N"]),),
             x, *_three(weights), *_three(biases if has_bias else weights), *_three(outputs),
             outputs[0] if residual is None else residual, *widths, rows, width,
             HAS_BIAS=has_bias, GATED=gated, IEEE=ieee_products(x.dtype), GDC=overlap,
-            HAS_RESIDUAL=residual is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages,
+            HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, num_warps=4, configs=configs,
             **launch_options(overlap),
         )
+
+    def _programs(widths: list, gated: bool, block_n: int) -> int:
+        """Column tiles: of the gate's columns (up's are the same) when gated, else of every weight's."""
+        return triton.cdiv(widths[0], block_n) if gated else sum(triton.cdiv(n, block_n) for n in widths)
 
     def _three(tensors: list) -> list:
         """The kernel's three slots; unused ones repeat the first tensor (their width is 0: no program reads them)."""

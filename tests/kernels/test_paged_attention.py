@@ -147,14 +147,15 @@ def test_auto_splits(rows, head_dim, programs, capacity, splits, monkeypatch):
     (256, torch.bfloat16, 164, False),  # an A100: the 192 KiB of the wide tiles would not fit
     (256, torch.float32, 227, False), (128, torch.bfloat16, 227, False),
 ])
-def test_wide_tiles_only_where_they_fit(head_dim, dtype, shared_kib, wide, monkeypatch):
+def test_wide_tiles_only_where_they_fit(head_dim, dtype, shared_kib, wide):
     from types import SimpleNamespace
 
     from hf_blockdiff.kernels import paged_attention as module
+    from hf_blockdiff.kernels.device_limits import assumed_shared_memory
 
-    monkeypatch.setattr(module, "_shared_memory", lambda index: shared_kib * 1024)
     q = SimpleNamespace(device=torch.device("cuda", 0), element_size=lambda: torch.finfo(dtype).bits // 8)
-    assert module._wide_tiles(head_dim, q) is wide
+    with assumed_shared_memory(shared_kib * 1024):
+        assert module._wide_tiles(head_dim, q) is wide
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

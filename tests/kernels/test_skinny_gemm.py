@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,6 +87,47 @@ def test_sdar_4b_shapes_gpu(rows, assert_close):
     assert_close(gated_linear(x, gate, up), gated_linear_reference(x, gate, up).double(), torch.bfloat16)
     compiled = torch.compile(lambda h: gated_linear(h, gate, up), fullgraph=True)
     assert torch.equal(compiled(x), gated_linear(x, gate, up))
+
+
+@pytest.mark.parametrize("limit,block_k", [(None, 512), (232448, 256), (101376, 128)],
+                         ids=["interpreter", "H100", "consumer"])
+def test_width_4096_fitted_to_the_device(device, poisoned, limit, block_k, monkeypatch, assert_close):
+    """SDAR-8B's q/k/v (width 4096, 6,144 columns): K steps of 512 where nothing limits them, and the smaller
+    configurations chosen for 227 KiB and 99 KiB of shared memory per block, each equal to the reference."""
+    from hf_blockdiff.kernels import skinny_gemm
+    from hf_blockdiff.kernels.device_limits import assumed_shared_memory
+
+    launched = []
+
+    def recording(kernel, grid, *args, configs, **kwargs):
+        launched.append(configs[0])
+        return launch(kernel, grid, *args, configs=configs, **kwargs)
+
+    launch = skinny_gemm.launch
+    monkeypatch.setattr(skinny_gemm, "launch", recording)
+    x, weights, biases = _tensors(device, torch.bfloat16, 4, 4096, (4096, 1024, 1024), seed=4)
+    with assumed_shared_memory(limit) if limit else contextlib.nullcontext():
+        outputs = grouped_linear(x, weights, biases)
+    assert launched == [{"BLOCK_N": 64, "BLOCK_K": block_k, "num_stages": 4}]
+    expected = grouped_linear_reference(x.double(), [w.double() for w in weights], [b.double() for b in biases])
+    for out, ref in zip(outputs, expected):
+        assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4, 16, 32, 64])
+def test_sdar_8b_shapes_gpu(rows, assert_close):
+    """SDAR-8B's q/k/v (whose K steps of 512 asked an H200 for 240 KiB of shared memory), gate/up and down, against
+    cuBLAS: every configuration fits the device."""
+    x, weights, _ = _tensors("cuda", torch.bfloat16, rows, 4096, (4096, 1024, 1024), seed=rows)
+    for out, ref in zip(grouped_linear(x, weights, [None] * 3), grouped_linear_reference(x, weights, [None] * 3)):
+        assert_close(out, ref.double(), torch.bfloat16)
+    _, (gate, up), _ = _tensors("cuda", torch.bfloat16, rows, 4096, (12288, 12288), seed=rows + 1)
+    assert_close(gated_linear(x, gate, up), gated_linear_reference(x, gate, up).double(), torch.bfloat16)
+    inner, (down,), _ = _tensors("cuda", torch.bfloat16, rows, 12288, (4096,), seed=rows + 2)
+    residual = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    assert_close(linear_residual(inner, down, None, residual),
+                 linear_residual_reference(inner, down, None, residual).double(), torch.bfloat16)
 
 
 @pytest.mark.parametrize("rows", [1, 7, ONE_WEIGHT_MAX_ROWS, ONE_WEIGHT_MAX_ROWS + 3])  # past 16: torch's own
