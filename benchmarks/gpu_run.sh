@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind the README tables, in one go:
-# `benchmarks/gpu_run.sh [tests|kernels|main|quick|extra|flash|llada2|rollouts|quantized|nf4|dgemma|tp]` (llada2 needs
-# diffusers, quantized torchao, nf4 bitsandbytes installed; tp two GPUs).
+# `benchmarks/gpu_run.sh [tests|kernels|main|quick|extra|flash|llada2|rollouts|quantized|nf4|dgemma|tp|matrix]` (llada2
+# needs diffusers, quantized torchao, nf4 bitsandbytes installed; tp two GPUs; matrix reads MATRIX_FAMILIES).
 # Runs from the repository root on a CUDA machine with torch, transformers, triton installed; writes logs to $OUT.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -64,8 +64,9 @@ build_model('sdar-4b', None, 'cuda', torch.bfloat16).save_pretrained('/tmp/sdar-
         # shellcheck disable=SC2086
         python3 -m hf_blockdiff.cli bench --shape diffusion-gemma-26b-a4b --prompt-len 1024 --new-tokens 1024 $args \
           --json | tail -1 | tee -a "$OUT/bench.jsonl"; done ;;
-    tp)  # tensor parallel over two GPUs (issue 16): the distributed tests, here on NCCL with CUDA graphs (tokens equal
-      # to one GPU), then SDAR-8B shapes on one GPU and sharded over two, compiled layers on and off
+    tp)  # tensor parallel over two GPUs (issue 16): the distributed tests (the CPU ones on gloo, the gpu-marked ones on
+      # NCCL with CUDA graphs: tokens equal to one GPU), then SDAR-8B shapes on one GPU and sharded over two, compiled
+      # layers on and off
       python3 -m pytest -q tests/test_distributed.py -rA 2>&1 | tee "$OUT/tp_tests.log" | tail -5
       for b in 1 32; do
         sdar8b=(--shape sdar-8b --prompt-len 256 --new-tokens 256 --batch-size "$b" --skip-reference --json)
@@ -73,5 +74,10 @@ build_model('sdar-4b', None, 'cuda', torch.bfloat16).save_pretrained('/tmp/sdar-
         for compile in on off; do
           torchrun --nproc_per_node 2 -m hf_blockdiff.cli bench "${sdar8b[@]}" --tensor-parallel --compile "$compile" \
             | tail -1 | tee -a "$OUT/bench.jsonl"; done; done ;;
+    matrix)  # every released family at its released width (random weights, layers cut to fit; tools/model_matrix.py):
+      # batches 1, 8, 128 (the largest MoE: 1, 8, 16) on the fast path and eager sdpa, and fp32 fast = sdpa per family.
+      # MATRIX_FAMILIES=a,b runs a group (one 10-minute window each: see the report); unset, all of them
+      python3 -m hf_blockdiff.tools.model_matrix ${MATRIX_FAMILIES:+--families "$MATRIX_FAMILIES"} \
+        --output "$OUT/model_matrix.jsonl" 2>>"$OUT/model_matrix.log" | tee -a "$OUT/model_matrix.md" ;;
   esac
 done

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .assets import BUNDLED_MODELS, model_path
 from .config import ATTENTION_BACKENDS, FALLBACKS, BlockDiffusionConfig
-from .integrations.checkpoint import DTYPES, load_pretrained
+from .integrations.checkpoint import DTYPES, check_device, load_pretrained
 from .integrations.completions import encode
 from .integrations.distributed import generate_distributed, is_main_process
 from .profiles import ALIGNMENTS, ATTENTIONS, model_profile
@@ -38,7 +38,7 @@ CONFIG_FLAGS = {
                       f"{', '.join(FALLBACKS)}"),
     "temperature": (float, "0 decodes greedily, above 0 samples"),
     "top_k": (int, "sample among the k most likely tokens; 0 or less is off"),
-    "top_p": (float, "nucleus sampling; 1 is off"),
+    "top_p": (float, "nucleus sampling, a probability in (0, 1]; 1 is off"),
     "max_active_blocks": (int, "blocks decoded at once; above 1 is multi-block decoding"),
     "block_add_threshold": (float, "progress of the last block at which the next one is added (multi-block)"),
     "decoded_token_threshold": (float, "progress of a block's predecessor at which the block must make progress "
@@ -109,6 +109,8 @@ def fitting_max_new_tokens(model, cfg: BlockDiffusionConfig, longest_prompt: int
 
 
 def run_generate(args: argparse.Namespace) -> None:
+    if args.device is not None:
+        check_device(args.device, "--device")
     cfg = config_from_args(args)
     prompts = read_prompts(args)
     model, tokenizer = load_pretrained(model_path(args.model), args.device, args.dtype, args.tensor_parallel_size)

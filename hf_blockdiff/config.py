@@ -8,7 +8,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .config_checks import check_against_profile, check_canvas_fields, check_ids, check_modes, fail
+from .config_checks import (
+    check_against_profile, check_canvas_fields, check_ids, check_minimal_topk, check_modes, default_block_size, fail,
+)
 from .presets import preset_fields
 from .profiles import ALIGNMENTS, ATTENTIONS, ModelProfile
 from .strategies import STRATEGIES, strategy_names
@@ -37,10 +39,15 @@ class BlockDiffusionConfig:
     """How `generate_multi_block` decodes. Fields left as `None` come from the model's profile (docs/design.md, "Model families").
 
     mask_token_id: id written at undecided positions; never proposed.
-    block_size: positions decoded together (B). steps_per_block: S of the schedule n_t = ⌊B/S⌋ + [t < B mod S].
+    block_size: positions decoded together (B); unset: the size the checkpoint was trained with, else the preset's,
+    else the profile's (docs/design.md, "Presets"). steps_per_block: S of the schedule n_t = ⌊B/S⌋ + [t < B mod S].
+    minimal_topk: k of diffusers' LLaDA2Pipeline: S is capped at max_new_tokens // k (fewer steps, so each commits
+    more; None: no cap; 1: no more steps than new tokens).
     strategy / threshold / fallback: which positions are committed each step (docs/design.md, "Scoring and
     strategies").
-    temperature / top_k / top_p: proposal sampling; temperature 0 is greedy, top_k ≤ 0 and top_p ≥ 1 are off.
+    temperature / top_k / top_p: proposal sampling; temperature 0 is greedy, top_k ≤ 0 and top_p = 1 are off. top_p
+    outside (0, 1] is refused: above 1 as transformers' TopPLogitsWarper refuses it (rather than read as off), 0 as a
+    nucleus of no probability (top_k=1 keeps the most likely token).
     max_active_blocks: K blocks decoded at once (1 = single-block); block_add_threshold: progress of the last
     block at which the next one is added; decoded_token_threshold: progress of a block's predecessor at which it
     becomes fully activated (forced to make progress).
@@ -113,6 +120,7 @@ class BlockDiffusionConfig:
     mask_token_id: int | None = None
     block_size: int | None = None
     steps_per_block: int | None = None
+    minimal_topk: int | None = None
     max_new_tokens: int = 128
     strategy: str = "low_confidence_dynamic"
     threshold: float | None = None
@@ -209,8 +217,9 @@ class BlockDiffusionConfig:
             fail("temperature", self.temperature, "pass 0 for greedy decoding or a positive float to sample")
         if not isinstance(self.top_k, int):
             fail("top_k", self.top_k, "pass an integer (≤ 0 disables top-k)")
-        if not isinstance(self.top_p, (int, float)) or self.top_p <= 0:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             fail("top_p", self.top_p, "pass a float in (0, 1] (1 disables top-p)")
+        check_minimal_topk(self)
         check_canvas_fields(self)
         self._validate_modes()
 
@@ -322,7 +331,10 @@ class BlockDiffusionConfig:
 
     def resolved(self, profile: ModelProfile, vocab_size: int | None = None) -> "BlockDiffusionConfig":
         """A copy with every profile field filled in, or a ValueError that says how to set what is missing."""
+        check_against_profile(self, profile)
         filled = {name: getattr(profile, name) for name in PROFILE_FIELDS if getattr(self, name) is None}
+        if self.block_size is None:
+            filled["block_size"] = default_block_size(self.preset, profile)
         cfg = dataclasses.replace(self, **{k: v for k, v in filled.items() if v is not None})
         if cfg.mask_token_id is None:
             raise ValueError(
@@ -341,7 +353,6 @@ class BlockDiffusionConfig:
                 "This model has no block-diffusion profile: pass BlockDiffusionConfig(attention='block_causal' or "
                 "'bidirectional') (and alignment/logit_shift if they differ from the defaults)."
             )
-        check_against_profile(cfg, profile)
         if cfg.alignment is None:
             cfg.alignment = "absolute" if cfg.attention == "block_causal" else "prompt_end"
         if cfg.prompt_attention is None:
@@ -352,6 +363,8 @@ class BlockDiffusionConfig:
             cfg.logit_shift = False
         if cfg.steps_per_block is None:
             cfg.steps_per_block = cfg.block_size
+        if cfg.minimal_topk is not None:
+            cfg.steps_per_block = min(cfg.steps_per_block, cfg.max_new_tokens // cfg.minimal_topk)
         if cfg.pad_token_id is None:
             cfg.pad_token_id = cfg.stop_ids[0] if cfg.stop_ids else cfg.mask_token_id
         if isinstance(cfg.eos_token_id, tuple):

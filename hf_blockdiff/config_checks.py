@@ -53,25 +53,54 @@ def check_prefix_store(cfg) -> None:
              f"block_size) = {unit} tokens): pass at least {unit}, or 0 to turn the store off")
 
 
+def default_block_size(preset: str | None, profile: ModelProfile) -> int | None:
+    """The block size of a config that sets none (docs/design.md, "Presets"): the one the checkpoint was trained
+    with, else the preset's (a preset describes the decoding, not the checkpoint), else the profile's default."""
+    return profile.trained_block_size or (PRESETS[preset].block_size if preset else None) or profile.block_size
+
+
 def check_against_profile(cfg, profile: ModelProfile) -> None:
-    """A model fact (attention, alignment, logit shift) that contradicts the model's profile: an error when a
-    preset pinned it (unless the preset is made for checkpoints with that profile), a warning when the user set it
-    (an explicit override stays allowed)."""
+    """The config, before the profile fills it in, against the model's profile. What the preset pinned and the
+    model contradicts (a model fact, unless the preset is made for checkpoints with that profile; a sub-block size
+    that does not divide the block size) is one error listing every conflict and the overrides that lift them all;
+    a field equal to the preset's value counts as the preset's. What the user set is allowed with a warning: a model
+    fact other than the profile's, a block size other than the one the model was trained with."""
     pinned = preset_pins(cfg.preset)
     made_for = PRESETS[cfg.preset].made_for if cfg.preset else {}
+    conflicts, fixes, overridden = [], {}, []
     for name in ("attention", "alignment", "logit_shift"):
         value, fact = getattr(cfg, name), getattr(profile, name)
         if fact is None or value is None or value == fact:
             continue
-        if name in pinned and pinned[name] == value:
-            if made_for.get(name) == fact:
-                continue
-            raise ValueError(
-                f"Preset {cfg.preset!r} decodes with {name}={value!r} but this model's profile has {name}={fact!r}: "
-                f"choose a preset for such models, or override it: from_preset({cfg.preset!r}, {name}={fact!r})."
-            )
-        warnings.warn(f"BlockDiffusionConfig.{name}={value!r} overrides this model's {name}={fact!r}: decoding "
-                      "differs from how the model was trained.", stacklevel=5)
+        if pinned.get(name) != value:
+            overridden.append(f"BlockDiffusionConfig.{name}={value!r} overrides this model's {name}={fact!r}")
+        elif made_for.get(name) != fact:
+            conflicts.append(f"{name}={value!r} but this model's profile has {name}={fact!r}")
+            fixes[name] = fact
+    if fixes.get("logit_shift") is False and cfg.first_token_on_store:  # check_modes: it needs the shift
+        fixes["first_token_on_store"] = False
+    sub, block = cfg.sub_block_size, cfg.block_size or default_block_size(cfg.preset, profile)
+    if sub is not None and block is not None and pinned.get("sub_block_size") == sub and block % sub:
+        conflicts.append(f"sub_block_size={sub} but this model's block_size={block} is not a multiple of it")
+        fixes["sub_block_size"] = math.gcd(sub, block)
+    if conflicts:
+        overrides = ", ".join(f"{name}={value!r}" for name, value in fixes.items())
+        raise ValueError(f"Preset {cfg.preset!r} decodes with {', and with '.join(conflicts)}: choose a preset for "
+                         f"such models, or override them: from_preset({cfg.preset!r}, {overrides}).")
+    trained = profile.trained_block_size
+    if trained is not None and cfg.block_size not in (None, trained):
+        overridden.append(f"BlockDiffusionConfig.block_size={cfg.block_size} differs from block_size={trained}, the "
+                          "block size this model was trained with (leave block_size unset to decode at that size)")
+    for message in overridden:  # stacklevel 7: the user's generate_multi_block call, past resolved() and its wrappers
+        warnings.warn(f"{message}: decoding differs from how the model was trained.", stacklevel=7)
+
+
+def check_minimal_topk(cfg) -> None:
+    """minimal_topk caps the steps per block at max_new_tokens // minimal_topk (diffusers' LLaDA2Pipeline)."""
+    k, bound = cfg.minimal_topk, min(cfg.max_new_tokens, cfg.block_size or cfg.max_new_tokens)
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= bound):
+        fail("minimal_topk", k, f"pass a positive integer ≤ block_size and ≤ max_new_tokens ({bound} here), or None "
+             "for no cap on the steps")
 
 
 def check_ids(cfg, vocab_size: int | None) -> None:

@@ -23,6 +23,12 @@ class ModelProfile:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
 
+    @property
+    def trained_block_size(self) -> int | None:
+        """The block size the checkpoint was trained with: a block-causal model's (its attention mask is built from
+        it); a bidirectional model sees the whole sequence, and its block size is only a decoding default."""
+        return self.block_size if self.attention == "block_causal" else None
+
     def merged_over(self, base: "ModelProfile") -> "ModelProfile":
         """This profile's set fields over `base`'s."""
         return replace(base, **{f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None})

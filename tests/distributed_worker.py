@@ -1,7 +1,7 @@
-"""Run by test_distributed under `torchrun --nproc_per_node W`: generation of a tiny checkpoint sharded over groups
-of TP_SIZE processes (one group: plain tensor parallel; several: hybrid data × tensor parallel), and of one whose KV
-heads cannot be split; with COMPILED, also with compiled decoder layers (the collectives traced into them); every
-process writes what it saw as JSON (OUTPUT.RANK)."""
+"""Run by test_distributed under `torchrun --nproc_per_node W`: generation of a tiny checkpoint sharded on DEVICE (cpu:
+gloo, cuda: NCCL) over groups of TP_SIZE processes (one group: plain tensor parallel; several: hybrid data × tensor
+parallel), and of one whose KV heads cannot be split; with COMPILED, also with compiled decoder layers (the collectives
+traced into them); every process writes what it saw as JSON (OUTPUT.RANK)."""
 
 import json
 import os
@@ -15,15 +15,15 @@ CFG = BlockDiffusionConfig(max_new_tokens=8, threshold=0.6, eos_token_id=[])
 PROMPTS = ["hello", "x = 1", "abc def", "Once upon a time", "0123456789"]
 
 
-def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, compiled: str = "") -> None:
-    model, tokenizer = load_pretrained(checkpoint, tensor_parallel_size=int(tp_size))
+def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, device: str, compiled: str = "") -> None:
+    model, tokenizer = load_pretrained(checkpoint, device, tensor_parallel_size=int(tp_size))
     compiled_texts = [c.text for c in generate_distributed(model, PROMPTS, CFG.replace(
         compile=True, cuda_graphs=True), tokenizer, batch_size=2)] if compiled else None  # graphs' fixed shapes, eager
     rows, decode = [], model.generate_multi_block
     model.generate_multi_block = lambda ids, *args, **kwargs: rows.append(len(ids)) or decode(ids, *args, **kwargs)
     completions = generate_distributed(model, PROMPTS, CFG, tokenizer, batch_size=2)
     again = generate_distributed(model, PROMPTS[:1], CFG, tokenizer)  # fewer prompts than groups
-    uneven, _ = load_pretrained(uneven_checkpoint, tensor_parallel_size=int(tp_size))
+    uneven, _ = load_pretrained(uneven_checkpoint, device, tensor_parallel_size=int(tp_size))
     try:
         generate_distributed(uneven, PROMPTS[:1], CFG, tokenizer)
         error = None
@@ -35,6 +35,7 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, com
         "compiled": compiled_texts,
         "rows": rows,
         "tp_size": model.tp_size,
+        "device": model.device.type,
         "cache_kv_heads": model._blockdiff_engine.cache.keys[0].shape[2],
         "uneven_error": error,
     }

@@ -62,12 +62,15 @@ def top_positions(score: dict[int, float], n: int, largest: bool = True) -> list
 
 
 def sdar_reference(model, prompt, mask_id, block, steps, new, strategy, threshold=0.9, fallback="topk",
-                   stop_ids=(), pad=0, record=None, whole_prompt=False):
+                   stop_ids=(), pad=0, record=None, whole_prompt=False, minimal_topk=None):
     """SDAR generate.py: absolute blocks, staircase prefill of ⌊P/B⌋·B tokens, prompt tail in the first block,
     read-only denoise forwards, one store forward per block, stop checked after each block.
     `record` (a dict) receives position → (1-based forward index, probability, entropy) of each committed token.
-    `whole_prompt`: the ⌊P/B⌋·B prefilled tokens see each other (JetEngine's LLaDA prefill) instead of a staircase."""
+    `whole_prompt`: the ⌊P/B⌋·B prefilled tokens see each other (JetEngine's LLaDA prefill) instead of a staircase.
+    `minimal_topk`: diffusers' LLaDA2Pipeline, `steps = min(steps, gen_length // minimal_topk)` before decoding."""
     p = len(prompt)
+    if minimal_topk is not None:
+        steps = min(steps, new // minimal_topk)
     total = math.ceil((p + new) / block) * block
     allowed = staircase(total, p, block, "absolute")
     if whole_prompt:

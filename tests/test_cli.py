@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.integrations.checkpoint import load_pretrained
@@ -193,3 +194,36 @@ def test_bench_quantized_weights(capsys):
 def test_bench_tensor_parallel_needs_a_launch(capsys):
     assert main(["bench", "--shape", "tiny", "--device", "cpu", "--tensor-parallel"]) == 2
     assert "torchrun --nproc_per_node N -m hf_blockdiff.cli bench" in capsys.readouterr().err
+
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+@pytest.mark.parametrize("device, message", [
+    pytest.param("cuda", "--device 'cuda' is not available in this process (available: cpu)", marks=NO_CUDA),
+    ("cuda:99", "--device 'cuda:99' is not available in this process (available: cpu"),
+    ("gpu0", "--device 'gpu0' is no device name: pass one of cpu"),
+])
+def test_a_device_that_is_not_there_is_one_line(checkpoint, capsys, command, device, message):
+    """It was a traceback from deep inside torch (exit 1)."""
+    source = ["--model", str(checkpoint), "--prompt", "hi"] if command == "generate" else []
+    assert main([command, *source, "--device", device]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("hf-blockdiff: error: ") and message in err[0]
+
+
+def test_load_pretrained_names_the_device(checkpoint):
+    with pytest.raises(ValueError, match=r"device 'cuda:99' is not available in this process \(available: cpu"):
+        load_pretrained(str(checkpoint), device="cuda:99")
+
+
+def test_devices_of_a_two_gpu_host(monkeypatch):
+    from hf_blockdiff.integrations import checkpoint
+
+    monkeypatch.setattr(checkpoint, "available_devices", lambda: ["cpu", "cuda:0", "cuda:1"])
+    for device in ("cpu", "cuda", "cuda:1"):
+        checkpoint.check_device(device)
+    for device in ("cuda:7", "mps"):
+        with pytest.raises(ValueError, match=rf"'{device}' is not available .*\(available: cpu, cuda:0, cuda:1\)"):
+            checkpoint.check_device(device)

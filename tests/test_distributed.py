@@ -1,32 +1,53 @@
-"""Several processes on the CPU (gloo): data parallelism through the CLI, tensor parallelism with tp_plan="auto" and
-both at once (2 groups of 2) give the single-process outputs. Each test launches `torchrun` (about 10 s)."""
+"""Several processes decoding together. On the CPU (gloo), wherever the tests run (their processes see no GPU): data
+parallelism through the CLI, tensor parallelism with tp_plan="auto" and both at once (2 groups of 2) give the
+single-process outputs. Marked gpu, one GPU per process (NCCL): tensor parallelism gives one GPU's tokens (fp32), the
+bench shards on the device it is given, and a launch of more processes than GPUs is refused. Each test launches
+`torchrun` (about 10 s)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_blockdiff.integrations.checkpoint import load_pretrained
 from hf_blockdiff.integrations.completions import complete
+from hf_blockdiff.integrations.distributed import init_tensor_parallel, load_sharded, shard_device
 
 from distributed_worker import CFG, PROMPTS
 from helpers import save_checkpoint
 
+# the CPU tests' processes see no GPU, on a GPU host too, and run Triton's kernels in its interpreter, as on a machine
+# without one (tests/conftest.py)
+CPU_ONLY = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+GPUS = torch.cuda.device_count()
 
-def torchrun(*args, processes=2, timeout=120):
+
+def needs_gpus(count: int):
+    return pytest.mark.skipif(GPUS < count, reason=f"needs {count} GPUs, one per process (NCCL); this machine has "
+                              f"{GPUS}")
+
+
+def torchrun(*args, processes=2, timeout=120, env=CPU_ONLY, check=True):
+    """`torchrun` of `processes` processes; `env` None: this process's environment, GPUs in sight."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
                *map(str, args)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    assert run.returncode == 0 or not check, run.stderr[-3000:]
     return run
+
+
+def one_process(checkpoint, device: str) -> list[str]:
+    model, tokenizer = load_pretrained(str(checkpoint), device)
+    return [c.text for c in complete(model, PROMPTS, CFG, tokenizer)]
 
 
 @pytest.fixture(scope="module")
 def expected(checkpoint):
-    model, tokenizer = load_pretrained(str(checkpoint))
-    return [c.text for c in complete(model, PROMPTS, CFG, tokenizer)]
+    return one_process(checkpoint, "cpu")
 
 
 @pytest.mark.parametrize(("processes", "tp_size"), [(2, 1), (4, 2)], ids=["dp2", "tp2xdp2"])
@@ -34,7 +55,7 @@ def test_data_parallel_cli_matches_one_process(checkpoint, expected, tmp_path, p
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     run = torchrun("-m", "hf_blockdiff.cli", "generate", "--model", checkpoint, "--input", source, "--output", output,
-                   "--batch-size", 2, "--max-new-tokens", 8, "--threshold", 0.6, "--eos-token-id",
+                   "--batch-size", 2, "--max-new-tokens", 8, "--threshold", 0.6, "--eos-token-id", "--device", "cpu",
                    "--tensor-parallel-size", tp_size, processes=processes, timeout=240)
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["prompt"] for r in records] == PROMPTS
@@ -42,28 +63,40 @@ def test_data_parallel_cli_matches_one_process(checkpoint, expected, tmp_path, p
     assert "2/2" in run.stderr and "3/3" not in run.stderr  # the main process's bar: 3 of the 5 prompts, 2 batches
 
 
-@pytest.mark.parametrize("processes", [2, 4], ids=["tp2", "tp2xdp2"])
-def test_tensor_parallel_matches_one_process(checkpoint, expected, tmp_path, processes):
+def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device: str, env) -> None:
+    """distributed_worker.py under `torchrun` on `device`: every process ends with the single-process completions."""
     uneven = save_checkpoint(tmp_path / "one-kv-head", num_key_value_heads=1)
     report_path = tmp_path / "report.json"
     compiled = ["compiled"] if processes == 2 else []  # compiling takes about 30 s on the CPU: once
-    torchrun(Path(__file__).parent / "distributed_worker.py", checkpoint, uneven, 2, report_path, *compiled,
-             processes=processes, timeout=300)
+    torchrun(Path(__file__).parent / "distributed_worker.py", checkpoint, uneven, 2, report_path, device, *compiled,
+             processes=processes, timeout=300, env=env)
     reports = [json.loads(Path(f"{report_path}.{rank}").read_text()) for rank in range(processes)]
     # batches of 2 of the 5 prompts, then of the 1: one group decodes them all; of two groups the first decodes 3
     # prompts and the one, the second 2 prompts and nothing
     assert [r["rows"] for r in reports] == ([[2, 2, 1, 1]] * 2 if processes == 2 else [[2, 1, 1]] * 2 + [[2]] * 2)
     for report in reports:  # every process ends with every completion, in input order
-        assert report["tp_size"] == 2
+        assert report["tp_size"] == 2 and report["device"] == device
         assert report["cache_kv_heads"] == 1  # the tiny model has 2 KV heads: one per process
         assert report["completions"] == expected and report["again"] == expected[:1]
         assert report["compiled"] == (expected if compiled else None)
         assert "num_key_value_heads=1 is not divisible by 2" in report["uneven_error"]
 
 
-def test_tensor_parallel_size_must_divide_the_launch(monkeypatch):
-    from hf_blockdiff.integrations.distributed import init_tensor_parallel
+@pytest.mark.parametrize("processes", [2, 4], ids=["tp2", "tp2xdp2"])
+def test_tensor_parallel_matches_one_process(checkpoint, expected, tmp_path, processes):
+    check_tensor_parallel(checkpoint, expected, tmp_path, processes, "cpu", CPU_ONLY)
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("processes", [pytest.param(2, marks=needs_gpus(2)), pytest.param(4, marks=needs_gpus(4))],
+                         ids=["tp2", "tp2xdp2"])
+def test_tensor_parallel_on_gpus_matches_one_gpu(checkpoint, tmp_path, processes):
+    """NCCL, each process on its own GPU, fp32: the tokens of the model on one GPU (compiled layers too, with CUDA
+    graphs, for tp2)."""
+    check_tensor_parallel(checkpoint, one_process(checkpoint, "cuda"), tmp_path, processes, "cuda", None)
+
+
+def test_tensor_parallel_size_must_divide_the_launch(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the launch's 4 processes"):
         init_tensor_parallel(3)
@@ -74,13 +107,65 @@ def test_tensor_parallel_size_must_divide_the_launch(monkeypatch):
         init_tensor_parallel(2)
 
 
-def test_bench_tensor_parallel(tmp_path):
-    """`bench --tensor-parallel` under torchrun: random weights sharded over both processes decode the single
-    process's forwards; only the first process prints its report."""
-    args = ["bench", "--shape", "tiny", "--batch-size", 2, "--prompt-len", 9, "--new-tokens", 8, "--device", "cpu",
-            "--dtype", "float32", "--skip-reference", "--json"]
-    run = torchrun("-m", "hf_blockdiff.cli", *args, "--tensor-parallel")
+def test_more_processes_than_gpus_is_refused_before_binding(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
+    bound = []
+    monkeypatch.setattr(torch.accelerator, "set_device_index", bound.append)
+    with pytest.raises(ValueError, match=r"runs 4 processes on a machine with 2 GPU\(s\): launch at most 2 "):
+        init_tensor_parallel(2, "cuda")
+    assert bound == []
+
+
+def test_cpu_shards_on_a_cuda_build(monkeypatch):
+    """transformers places tp_plan shards on torch's built-in accelerator; load_sharded shows it the CPU for CPU
+    shards while it loads, and nothing else."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda check=None: torch.device("cuda"))
+    seen = []
+
+    class Model:
+        @classmethod
+        def from_pretrained(cls, path, distributed_config, **kwargs):
+            seen.append((path, torch._C._get_accelerator().type, distributed_config.tp_size, kwargs))
+            return cls
+
+    assert load_sharded(Model, "dir", 2, "cpu", dtype="float32") is Model
+    assert seen == [("dir", "cpu", 2, {"dtype": "float32"})]
+    assert torch._C._get_accelerator().type == "cuda"  # restored
+    assert shard_device("cuda:1") == "cuda" and shard_device("cpu") == "cpu"
+    assert shard_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def bench_tensor_parallel(device: str, env, **launch):
+    args = ["bench", "--shape", "tiny", "--batch-size", 2, "--prompt-len", 9, "--new-tokens", 8, "--device", device,
+            "--dtype", "float32", "--skip-reference", "--json", "--tensor-parallel"]
+    return torchrun("-m", "hf_blockdiff.cli", *args, env=env, **launch)
+
+
+def check_bench_report(run, device_name: str) -> None:
+    """Only the first process reports; the sharded random weights decode the single process's forwards."""
     reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 1 and reports[0]["device"] == "cpu x 2 (tensor parallel)"
+    assert len(reports) == 1 and reports[0]["device"] == f"{device_name} x 2 (tensor parallel)"
     assert reports[0]["first_call"]["seconds"] > 0
     assert reports[0]["results"][0]["forwards"] == reports[0]["first_call"]["forwards"] == 12
+
+
+def test_bench_tensor_parallel():
+    check_bench_report(bench_tensor_parallel("cpu", CPU_ONLY), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_gpus(2)), "cpu"])
+def test_bench_tensor_parallel_on_a_gpu_host(device):
+    """With GPUs in sight the bench shards where --device says: cuda over NCCL, each process on its own GPU (the
+    prompts on the model's GPU), or the CPU over gloo."""
+    check_bench_report(bench_tensor_parallel(device, None), torch.cuda.get_device_name() if device == "cuda" else "cpu")
+
+
+@pytest.mark.gpu
+def test_more_processes_than_gpus_is_refused():
+    run = bench_tensor_parallel("cuda", None, processes=GPUS + 1, check=False)
+    assert run.returncode != 0
+    assert f"this launch runs {GPUS + 1} processes on a machine with {GPUS} GPU(s)" in run.stderr

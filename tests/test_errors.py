@@ -46,6 +46,8 @@ def assert_unchanged(model, before):
         (dict(block_add_threshold=2.0), r"block_add_threshold"),
         (dict(eos_token_id="eos"), r"eos_token_id"),
         (dict(page_size=48), r"page_size=48.*power of two"),
+        (dict(top_p=1.5), r"top_p=1.5 .*\(0, 1\]"),  # was read as top-p off
+        (dict(top_p=0), r"top_p=0 .*\(0, 1\]"),
     ],
 )
 def test_config_validation(kwargs, match):
@@ -53,9 +55,9 @@ def test_config_validation(kwargs, match):
         BlockDiffusionConfig(**kwargs)
 
 
-def call_fails(model, ids, cfg, match, **kwargs):
+def call_fails(model, ids, cfg, match, error=ValueError, **kwargs):
     before = snapshot(model)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         model.generate_multi_block(ids, cfg, **kwargs)
     assert model.forwards == 0
     assert_unchanged(model, before)
@@ -141,3 +143,43 @@ def test_non_finite_settings_are_refused(field, value):
 def test_sub_blocks_need_store_forwards():
     with pytest.raises(ValueError, match="sub_block_size=2 .*fused_store=False"):
         BlockDiffusionConfig(block_size=4, sub_block_size=2)
+
+
+CFG = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, attention="block_causal",
+                           temperature=0.8)
+REFUSED = {  # call arguments -> (error, message); each refused before any forward
+    "empty_batch": (dict(input_ids=torch.zeros(0, 5, dtype=torch.long)), ValueError,
+                    r"input_ids has shape \[0, 5\]: no prompt to decode"),
+    "generator_seed": (dict(generator=123), TypeError,
+                       r"generator=123 \(int\) is no torch.Generator: .*torch\.Generator\(\)\.manual_seed\(123\)"),
+    "streamer_object": (dict(streamer=object()), TypeError,
+                        r"streamer \(object\) has no put and no end method: .*BaseStreamer"),
+    "compile_without_compiler": (dict(config=CFG.replace(compile=True)), ValueError,
+                                 r"compile=True is invalid: torch.compile on the CPU needs a C\+\+ compiler"),
+}
+
+
+def normal_call(model):
+    ids, mask = left_pad(random_prompts((5, 3), seed=4))
+    return model.generate_multi_block(ids, CFG, attention_mask=mask, generator=torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_refused_call_leaves_the_next_call_as_on_a_fresh_model(model, case):
+    """Each crash reported in issue 35 is now a refusal naming the argument, before any forward; the model decodes
+    next as a fresh one does."""
+    kwargs, error, match = REFUSED[case]
+    kwargs = dict(dict(input_ids=torch.randint(0, 50, (1, 6)), config=CFG), **kwargs)
+    no_compiler = {"cpp.cxx": ("hf-blockdiff-no-such-compiler",)} if case == "compile_without_compiler" else {}
+    with torch._inductor.config.patch(no_compiler):  # inductor finds no C++ compiler to build its CPU kernels with
+        call_fails(model, kwargs.pop("input_ids"), kwargs.pop("config"), match, error, **kwargs)
+    assert torch.equal(normal_call(model), normal_call(tiny_model("qwen3", seed=3)))
+
+
+def test_compile_on_cuda_needs_triton(monkeypatch):
+    from hf_blockdiff.generation import inputs
+
+    monkeypatch.setattr(inputs, "TRITON_AVAILABLE", False)
+    with pytest.raises(ValueError, match=r"compile=True is invalid: torch.compile needs Triton on CUDA"):
+        inputs.check_call(CFG.replace(compile=True), torch.device("cuda"), None, None)
+    inputs.check_call(CFG, torch.device("cuda"), None, None)  # compile=None compiles only where it can

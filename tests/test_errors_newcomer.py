@@ -156,3 +156,31 @@ def test_choices_are_listed_in_the_help():
 def test_cli_ids_outside_the_vocabulary_are_one_line(capsys, flag, match):
     assert main(["generate", "--model", "demo", "--prompt", "37+50=", flag, "99999"]) == 2
     assert re.search(match, last_error(capsys))
+
+
+def test_compile_on_the_cpu_decodes_without_triton_kernels(monkeypatch):
+    """compile=True on a CPU model crashed inside a Triton kernel (no GPU driver): without TRITON_INTERPRET=1 the
+    compiled layers are the stock ones (inductor's C++ backend), none of hf_blockdiff's Triton forwards go in, and
+    the tokens are the eager ones."""
+    from torch._dynamo.utils import counters
+
+    from hf_blockdiff.generation import fusion
+    from hf_blockdiff.integrations.checkpoint import load_pretrained
+
+    model, tokenizer = load_pretrained(str(demo_model_path()))
+    ids = tokenizer(["37+50="], return_tensors="pt").input_ids
+    cfg = hf_blockdiff.BlockDiffusionConfig(max_new_tokens=8)
+    eager = model.generate_multi_block(ids, cfg)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as on a CPU machine outside the tests
+
+    def no_triton(*args, **kwargs):
+        raise AssertionError("a Triton forward was installed where no Triton kernel can run")
+
+    monkeypatch.setattr(fusion, "fused_forwards", no_triton)
+    monkeypatch.setattr(fusion, "fused_experts", no_triton)
+    counters.clear()
+    compiled = model.generate_multi_block(ids, cfg.replace(compile=True))
+    hf_blockdiff.free_cache(model)
+    assert counters["stats"]["unique_graphs"] > 0  # the layers did compile
+    assert torch.equal(compiled, eager)
+    assert tokenizer.decode(compiled[0, ids.shape[1]:], skip_special_tokens=True).startswith("87")

@@ -65,6 +65,9 @@ class _FailingStreamer:
         if self.calls == 2:  # the prompt goes through, the first generated tokens raise
             raise RuntimeError("streamer broke")
 
+    def end(self):  # a streamer needs both methods (generate_multi_block checks before any forward)
+        pass
+
     def end(self):
         pass
 

@@ -1,12 +1,16 @@
 """Every preset token for token against a plain re-implementation of its reference loop (batch 1 and a padded
 batch), RL outputs, forward counts that strategies determine, and preset errors."""
 
+import warnings
 from contextlib import contextmanager
 
 import pytest
 import torch
 
 from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.profiles import ModelProfile
+from hf_blockdiff.tools.demo import DEMO_SEED, load_demo
+from hf_blockdiff.tools.tasks import is_correct, make_problems, solve
 from hf_blockdiff.generation.engine import request_seeds
 from hf_blockdiff.kernels.rng import gumbel_noise
 from reference_loops import llada_reference, multi_block_reference, sdar_reference
@@ -262,3 +266,114 @@ def test_preset_errors(qwen3):
         with pytest.raises(ValueError, match="Preset 'sdar' decodes with attention='block_causal' but this model's "
                                              "profile has attention='bidirectional'"):
             qwen3.generate_multi_block(torch.randint(0, 50, (1, 6)), cfg)
+
+
+@pytest.mark.parametrize("minimal_topk", [1, 2, 4])
+def test_minimal_topk_caps_the_steps(qwen3, minimal_topk):
+    """llada2's minimal_topk k caps S at max_new_tokens // k, as diffusers' LLaDA2Pipeline (S = 4, 3, 1 here): fewer
+    steps, each committing more by the schedule (τ = 0.99 leaves most commits to it)."""
+    cfg = BlockDiffusionConfig.from_preset("llada2", mask_token_id=MASK, block_size=4, max_new_tokens=6,
+                                           threshold=0.99, minimal_topk=minimal_topk, eos_token_id=[])
+    prompts = random_prompts(PROMPTS, 8)
+
+    def reference(prompt, k=minimal_topk):
+        return sdar_reference(qwen3, prompt, MASK, 4, 4, 6, "low_confidence_dynamic", 0.99, minimal_topk=k)
+
+    check(qwen3, prompts, cfg, reference, forwards=False)
+    if minimal_topk > 1:  # the cap changes the tokens, so the comparison above sees it
+        assert any(reference(p)[0].tolist() != reference(p, 1)[0].tolist() for p in prompts)
+        _, out = generate(qwen3, prompts, cfg)
+        _, uncapped = generate(qwen3, prompts, cfg.replace(minimal_topk=None))
+        assert out.steps.sum() < uncapped.steps.sum()
+
+
+def test_minimal_topk_errors():
+    for value, bound in ((0, 4), (5, 4), (True, 4), (2.0, 4)):
+        with pytest.raises(ValueError, match=rf"minimal_topk={value!r} is invalid: .*≤ block_size and ≤ "
+                                             rf"max_new_tokens \({bound} here\)"):
+            BlockDiffusionConfig(block_size=4, minimal_topk=value)
+    with pytest.raises(ValueError, match=r"minimal_topk=4 is invalid: .*\(3 here\)"):
+        BlockDiffusionConfig.from_preset("llada2", max_new_tokens=3, minimal_topk=4)
+    assert BlockDiffusionConfig.from_preset("llada2").minimal_topk == 1 and BlockDiffusionConfig().minimal_topk is None
+
+
+def test_preset_block_size_yields_to_the_trained_one():
+    """A block-causal checkpoint's block size beats the preset's, and S follows it; a bidirectional profile's block
+    size is a decoding default, and the preset's beats it (dLLM-Var decodes a LLaDA checkpoint in blocks of 64)."""
+    trained = ModelProfile(mask_token_id=1, block_size=4, attention="block_causal", alignment="absolute",
+                           logit_shift=False)
+    llada = ModelProfile(mask_token_id=1, block_size=32, attention="bidirectional", alignment="prompt_end",
+                         logit_shift=False)
+    for name in ("llada2", "llada2_1", "diffulex_edit", "dllm_var"):
+        resolved = BlockDiffusionConfig.from_preset(name, max_new_tokens=64).resolved(trained)
+        assert (resolved.block_size, resolved.steps_per_block) == (4, 4)
+    assert BlockDiffusionConfig.from_preset("llada2", max_new_tokens=64).resolved(
+        ModelProfile(mask_token_id=1)).steps_per_block == 32
+    assert BlockDiffusionConfig.from_preset("dllm_var").resolved(llada).block_size == 64
+    assert BlockDiffusionConfig().resolved(llada).block_size == 32
+    untrained = ModelProfile(mask_token_id=1, attention="block_causal")
+    assert BlockDiffusionConfig.from_preset("llada2", max_new_tokens=20).resolved(untrained).steps_per_block == 20
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The bundled demo model (an SDAR checkpoint trained with blocks of 4) and held-out additions and such."""
+    model, tokenizer = load_demo(None)
+    return model, tokenizer, make_problems(24, DEMO_SEED, "held_out")
+
+
+@pytest.mark.parametrize("name", ["llada2", "dllm_var", "sdar"])
+def test_presets_decode_at_the_trained_block_size(demo, name):
+    """Presets with blocks of 32 or 64 decode the demo model at its trained size 4, silently, and solve its problems
+    (at 32 llada2 got none right)."""
+    model, tokenizer, problems = demo
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert solve(model, tokenizer, problems, BlockDiffusionConfig.from_preset(name, max_new_tokens=8)).accuracy \
+            >= 0.95
+
+
+@pytest.mark.parametrize("name", ["llada2_1", "diffulex_edit"])
+def test_editing_presets_decode_at_the_trained_block_size(demo, name):
+    """The editing presets (rows of pad ids at blocks of 32) decode the demo model at its size 4: the same tokens
+    as with block_size=4 passed, and every row that took no edit solves its problem. (Edits make other answers
+    wrong: the demo model was trained on masked positions only, so its proposals at decided positions are
+    untrained.)"""
+    model, tokenizer, problems = demo
+    enc = tokenizer([p for p, _ in problems], return_tensors="pt", padding=True, add_special_tokens=False)
+    cfg = BlockDiffusionConfig.from_preset(name, max_new_tokens=8)
+    out = model.generate_multi_block(enc.input_ids, cfg, attention_mask=enc.attention_mask, return_dict=True)
+    explicit = model.generate_multi_block(enc.input_ids, cfg.replace(block_size=4), attention_mask=enc.attention_mask)
+    assert torch.equal(out.sequences, explicit)
+    texts = tokenizer.batch_decode(out.sequences[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+    unedited = [is_correct(prompt, text) for (prompt, _), text, edits in zip(problems, texts, out.edits) if edits == 0]
+    assert len(unedited) >= len(problems) // 6 and all(unedited)
+
+
+def test_explicit_block_size_wins_and_warns_once(demo):
+    model, tokenizer, problems = demo
+    for cfg in (BlockDiffusionConfig(max_new_tokens=8, block_size=16),
+                BlockDiffusionConfig.from_preset("llada2", max_new_tokens=8, block_size=16)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            solved = solve(model, tokenizer, problems, cfg)
+        messages = [str(w.message) for w in caught if "block_size" in str(w.message)]
+        assert len(messages) == 1 and "block_size=16 differs from block_size=4" in messages[0]
+        assert solved.accuracy < 0.5  # decoded at 16, as asked: this model was not trained so
+
+
+def test_fast_dllm_v2_lists_every_conflict(demo):
+    """fast_dllm_v2 on the demo model (no logit shift, blocks of 4): one error names both conflicts and the overrides
+    that lift them, and those overrides decode."""
+    model, tokenizer, problems = demo
+    cfg = BlockDiffusionConfig.from_preset("fast_dllm_v2", max_new_tokens=8)
+    with pytest.raises(ValueError) as error:
+        solve(model, tokenizer, problems, cfg)
+    message = str(error.value)
+    assert "logit_shift=True but this model's profile has logit_shift=False" in message
+    assert "sub_block_size=8 but this model's block_size=4 is not a multiple of it" in message
+    fix = "from_preset('fast_dllm_v2', logit_shift=False, first_token_on_store=False, sub_block_size=4)"
+    assert message.endswith(f"override them: {fix}.")
+    fixed = BlockDiffusionConfig.from_preset("fast_dllm_v2", max_new_tokens=8, logit_shift=False,
+                                             first_token_on_store=False, sub_block_size=4)
+    assert solve(model, tokenizer, problems, fixed).accuracy >= 0.95

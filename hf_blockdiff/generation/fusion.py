@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from ..attention import ATTENTION_NAME, AttentionBackend
+from ..attention.backends import TritonBackend
 from ..config import BlockDiffusionConfig
 from ..kernels.rmsnorm import rms_norm
 from ..kernels.skinny_gemm import MAX_ROWS
@@ -89,10 +90,13 @@ def shape_policy(model) -> bool | None:
 
 @contextmanager
 def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = False):
+    """The model's forwards in `fusion`'s mode for the block (module docstring). The fused forwards go in only where
+    Triton's kernels run (`TritonBackend.runs_on`): without them, compiled layers on the CPU (no TRITON_INTERPRET=1)
+    are the stock layers compiled by inductor's C++ backend."""
     norms = [m for m in model.modules() if type(m).__name__ in STOCK_RMS_NORMS] if fusion == "norms" else []
     layers = decoder_layers(model) if fusion == "compile" else []
-    projections = fused_forwards(model, mlps=skinny, layers=fusion == "norms") + fused_experts(model) \
-        if fusion != "none" else []
+    kernels = fusion != "none" and TritonBackend.runs_on(next(model.parameters()).device)
+    projections = fused_forwards(model, mlps=skinny, layers=fusion == "norms") + fused_experts(model) if kernels else []
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME

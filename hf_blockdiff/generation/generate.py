@@ -16,7 +16,7 @@ from ..quantization import check_quantization
 from ..tensor_parallel import check_tensor_parallel
 from ..scheduler import DecodeState
 from .engine import Results, engine_for, request_seeds
-from .inputs import check_lengths, prompts_of
+from .inputs import check_call, check_lengths, prompts_of
 
 
 @dataclass
@@ -70,7 +70,8 @@ def generate_multi_block(
     the base weights for the call and the base weights are restored bit-exactly after it. `adapters=[name, ...]`
     decodes once per named adapter, each alone, and returns a list of the outputs in that order.
     `streamer`: batch 1; gets `put`/`end` like transformers streamers, and `put_draft` each step if it has one
-    (see `_TokenStream`)."""
+    (see `_TokenStream`). `generator`: a torch.Generator (None: torch's default one). An empty batch (`input_ids`
+    [0, P]; transformers' `generate` fails on one too) is refused before any forward, as all bad input (README)."""
     if config is not None and not isinstance(config, BlockDiffusionConfig):
         raise TypeError("config must be a BlockDiffusionConfig (or None to use the model's profile).")
     vocab = getattr(self.config, "vocab_size", None)
@@ -78,6 +79,7 @@ def generate_multi_block(
     cfg = (config or BlockDiffusionConfig()).resolved(model_profile(self), vocab)
     prompts = prompts_of(input_ids, attention_mask, cfg, vocab)
     device = input_ids.device
+    check_call(cfg, device, generator, streamer)
     check_lengths(self, prompts, cfg)
     if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
         raise ValueError(f"max_batch_size={max_batch_size!r}: pass a positive integer (or None for all prompts).")

@@ -1,6 +1,8 @@
-"""A call's prompts, checked before any forward (docs/design.md, "Errors"): left padding, ids inside the vocabulary,
-lengths that fit the model. Without an `attention_mask`, leading pad ids are padding, as transformers' `generate`
-infers its mask, unless the pad id is also a stop id or the mask id (then it cannot tell: it warns once)."""
+"""A call's prompts and arguments, checked before any forward (docs/design.md, "Errors"): at least one row, left
+padding, ids inside the vocabulary, lengths that fit the model; a torch.Generator, a streamer with `put` and `end`,
+and a compiler for `compile=True` on the call's device. Without an `attention_mask`, leading pad ids are padding, as
+transformers' `generate` infers its mask, unless the pad id is also a stop id or the mask id (then it cannot tell: it
+warns once)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import torch
 from transformers.utils import logging
 
 from ..config import BlockDiffusionConfig
+from ..config_checks import fail
+from ..kernels import TRITON_AVAILABLE
 from .engine import plan_shapes
 
 logger = logging.get_logger(__name__)
@@ -19,6 +23,9 @@ def prompts_of(input_ids: torch.Tensor, attention_mask, cfg: BlockDiffusionConfi
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_length] (tokenizer(..., "
                          "return_tensors='pt').input_ids).")
+    if input_ids.shape[0] == 0:  # transformers' generate fails on an empty batch too (a shape error in its forward)
+        raise ValueError(f"input_ids has shape {list(input_ids.shape)}: no prompt to decode; pass at least one row "
+                         "(an empty list of prompts needs no call).")
     if attention_mask is None:
         attention_mask = _inferred_mask(input_ids, cfg)
     if not isinstance(attention_mask, torch.Tensor):
@@ -73,3 +80,35 @@ def check_lengths(model, prompts: list[torch.Tensor], cfg: BlockDiffusionConfig)
             f"The longest prompt plus max_new_tokens={cfg.max_new_tokens} (rounded up to whole blocks: {longest} "
             f"positions) exceeds the model's max_position_embeddings={limit}: lower max_new_tokens or shorten the prompt."
         )
+
+
+def check_call(cfg: BlockDiffusionConfig, device: torch.device, generator, streamer) -> None:
+    """The call's arguments beside the prompts: `generator` a torch.Generator (or None), `streamer` a transformers
+    streamer (or None), and `compile=True` a compiler for inductor on `device`."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        seed = generator if isinstance(generator, int) and not isinstance(generator, bool) else 0
+        raise TypeError(f"generator={generator!r} ({type(generator).__name__}) is no torch.Generator: pass one, e.g. "
+                        f"torch.Generator().manual_seed({seed}), or None for torch's default generator.")
+    missing = [name for name in ("put", "end") if not callable(getattr(streamer, name, None))]
+    if streamer is not None and missing:
+        raise TypeError(f"streamer ({type(streamer).__name__}) has no {' and no '.join(missing)} method: pass a "
+                        "transformers streamer (a BaseStreamer such as TextStreamer) or an object with put(token_ids) "
+                        "and end() methods.")
+    if cfg.compile:
+        _check_compiler(device)
+
+
+def _check_compiler(device: torch.device) -> None:
+    """torch.compile's inductor generates Triton kernels on CUDA and C++ on the CPU (the Triton kernels of
+    hf_blockdiff are then left out: `fusion.decoding_mode`)."""
+    if device.type == "cuda" and not TRITON_AVAILABLE:
+        fail("compile", True, "torch.compile needs Triton on CUDA: install triton (`pip install triton`), or pass "
+             "compile=None")
+    if device.type == "cpu":
+        from torch._inductor import cpp_builder, exc
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except exc.InvalidCxxCompiler:
+            fail("compile", True, "torch.compile on the CPU needs a C++ compiler and none was found: install g++ (or "
+                 "set CXX to one), or pass compile=None")

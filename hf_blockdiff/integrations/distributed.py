@@ -11,6 +11,9 @@ and `from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto", t
 group alone. Each group decodes a contiguous share of the prompts; the first rank of each group puts its completions
 in the launcher's store and every process reads them all back, in input order. With N equal to the launch's size
 there is one group, transformers initializes the process group itself, and every process decodes every prompt.
+
+The shards live where the caller says (`shard_device`): on the CPU over gloo, or on an accelerator over NCCL, one
+accelerator per process (`LOCAL_RANK`); `load_sharded` does all of it for a `from_pretrained`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -93,25 +97,80 @@ def check_tensor_parallel_size(size: int) -> None:
                          f"two groups), or pass a tensor_parallel_size that divides {world}")
 
 
-def init_tensor_parallel(size: int) -> None:
+def shard_device(device: str | None = None) -> str:
+    """The device type a tensor-parallel model's shards go to: `device`'s ("cpu", "cuda"; each process takes its own
+    accelerator, `LOCAL_RANK`, whatever index `device` names), or for None the accelerator when this process sees
+    one, else the CPU."""
+    if device is not None:
+        return torch.device(device).type
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return "cpu" if accelerator is None else accelerator.type
+
+
+def check_devices(device_type: str) -> None:
+    """Shards on an accelerator bind each process of this machine to an accelerator of its own (NCCL): a process past
+    the last one would die binding, the others waiting for it; say so before anything is loaded."""
+    if device_type == "cpu":
+        return
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", launch_size()))
+    available = torch.accelerator.device_count()
+    if processes > available:
+        raise ValueError(f"tensor parallelism on {device_type} gives each process a GPU of its own (NCCL), but this "
+                         f"launch runs {processes} processes on a machine with {available} GPU(s): launch at most "
+                         f"{available} processes here (torchrun --nproc_per_node {available}), or shard on the CPU "
+                         "(device cpu: gloo)")
+
+
+def init_tensor_parallel(size: int, device: str | None = None) -> str:
     """Before `from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto", tp_size=size))` in a launch
-    of several groups of `size` ranks: make this process's group the default process group (see the module's doc).
-    Nothing to do when one group holds the whole launch. Call it on every process of the launch."""
+    of groups of `size` ranks: check the launch and the accelerators, bind this process to its accelerator `LOCAL_RANK`
+    (shards on an accelerator), and when the launch holds several groups make this process's group the default process
+    group (see the module's doc). Call it on every process of the launch. Returns `shard_device(device)`."""
     global _GROUPS
     check_tensor_parallel_size(size)
+    device_type = shard_device(device)
+    check_devices(device_type)
+    if device_type != "cpu":
+        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
     if size == launch_size() or (_GROUPS is not None and _GROUPS.tp_size == size):
-        return
+        return device_type
     if torch.distributed.is_initialized():
         raise ValueError(f"tensor_parallel_size={size}: torch.distributed is already initialized over "
                          f"{torch.distributed.get_world_size()} processes; call init_tensor_parallel (or "
                          "load_pretrained(..., tensor_parallel_size=...)) before anything initializes it")
     store, rank, world = next(torch.distributed.rendezvous("env://"))
     _GROUPS = TensorParallelGroups(store, rank, world, size)
-    device = torch.accelerator.current_accelerator() or torch.device("cpu")
     torch.distributed.init_process_group(
-        torch.distributed.get_default_backend_for_device(device),
+        torch.distributed.get_default_backend_for_device(device_type),
         store=torch.distributed.PrefixStore(f"hf_blockdiff/tp{_GROUPS.group}", store), rank=rank % size,
         world_size=size)
+    return device_type
+
+
+@contextmanager
+def _transformers_sees(device_type: str):
+    """transformers picks the device and backend of its tensor-parallel mesh from `torch._C._get_accelerator()`: the
+    accelerator torch was built with, whether or not this process sees one, so on a CUDA build it would put CPU
+    shards on cuda:LOCAL_RANK. For shards on the CPU it is shown the CPU while it loads."""
+    built = torch._C._get_accelerator
+    if device_type == "cpu":
+        torch._C._get_accelerator = lambda check=None: torch.device("cpu")
+    try:
+        yield
+    finally:
+        torch._C._get_accelerator = built
+
+
+def load_sharded(model_class, path: str | None, size: int, device: str | None = None, **kwargs):
+    """`model_class.from_pretrained(path, **kwargs)` sharded with transformers' tp_plan="auto" over groups of `size`
+    processes (`init_tensor_parallel`), on `device`'s type (`shard_device`): cuda:LOCAL_RANK over NCCL, or the CPU over
+    gloo. Call it on every process of the launch."""
+    from transformers import DistributedConfig
+
+    device_type = init_tensor_parallel(size, device)
+    with _transformers_sees(device_type):
+        return model_class.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto", tp_size=size),
+                                           **kwargs)
 
 
 def _share(items: list, index: int, parts: int) -> list:

@@ -22,7 +22,7 @@ from ..generation.canvas import CanvasEngine, CanvasRun, CanvasStream
 from ..generation.engine import request_seeds, use_graphs
 from ..generation.fusion import decoding_mode, fusion_for
 from ..generation.generate import block_output
-from ..generation.inputs import prompts_of
+from ..generation.inputs import check_call, prompts_of
 
 # our field -> how transformers' DiffusionGemmaGenerationConfig names it
 GENERATION_CONFIG_NAMES = dict(max_denoising_steps="max_denoising_steps", t_max="t_max", t_min="t_min",
@@ -102,6 +102,7 @@ def generate_multi_block(self, input_ids: torch.LongTensor, config: BlockDiffusi
     device = input_ids.device
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     prompts = prompts_of(input_ids, mask, cfg, rules.vocab_size)
+    check_call(cfg, device, generator, streamer)
     _check_lengths(self, prompts, cfg, rules)
     backend = _backend(self, cfg, device, rules)
     graphs = use_graphs(cfg, backend, device, self) and cfg.noise == "counter"

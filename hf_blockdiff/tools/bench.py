@@ -9,7 +9,8 @@ step). LLaDA2 models: diffusers' LLaDA2Pipeline (tools/diffusers_reference.py) a
 (tools/moe_timing.py). The report gives tok/s, ms per forward, forwards (NFE), tokens per forward (TPF, per prompt),
 peak memory and the speedup, with the exact settings, and the wall time of the process's first call (torch.compile,
 graph capture and warm-up included: the cold start). `--tensor-parallel` under `torchrun` shards the model with
-transformers' tp_plan="auto" over the launch's processes (tools/bench_models.py); the first process reports.
+transformers' tp_plan="auto" over the launch's processes on `--device` (tools/bench_models.py); the first process
+reports.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from ..cache_keyword import cache_kwarg
 from ..config import ATTENTION_BACKENDS, BlockDiffusionConfig
+from ..integrations.checkpoint import check_device
 from ..integrations.distributed import is_main_process, launch_size
 from ..patching import free_cache
 from ..profiles import model_profile
@@ -153,7 +155,7 @@ def bench(args) -> dict:
     cfg, reference = _settings(args, model, mask_id)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, min(vocab, mask_id) - 1, (args.batch_size, args.prompt_len), generator=generator)
-    prompts, tokens = prompts.to(device), args.batch_size * args.new_tokens
+    prompts, tokens = prompts.to(model.device), args.batch_size * args.new_tokens  # --tensor-parallel: cuda:LOCAL_RANK
     if args.num_return_sequences > 1 or args.shared_prefix:
         return _rollout_report(args, model, cfg, prompts)
     results = []
@@ -171,7 +173,8 @@ def bench(args) -> dict:
     if model.config.model_type == LLADA2 and device.startswith("cuda") and not args.tensor_parallel:
         from .moe_timing import moe_against_dense
 
-        report["moe"] = [moe_against_dense(model, n * cfg.block_size) for n in sorted({1, args.batch_size})]
+        block = cfg.block_size or model.config.block_size  # the preset's yields to the checkpoint's
+        report["moe"] = [moe_against_dense(model, n * block) for n in sorted({1, args.batch_size})]
     return report
 
 
@@ -219,6 +222,7 @@ def print_report(report: dict) -> None:
 
 
 def run_bench(args) -> None:
+    check_device(args.device, "--device")
     if args.kernels:
         from . import microbench
 
@@ -254,7 +258,8 @@ def _add_model_flags(parser) -> None:
                         help="dtype of the weights: bfloat16, float16, float32 (default: %(default)s)")
     parser.add_argument("--tensor-parallel", action="store_true",
                         help="shard the model with transformers' tp_plan='auto' over the processes of a torchrun "
-                        "launch, each on its own GPU; the first process reports (default: off)")
+                        "launch, on --device: cuda (each process on its own GPU, NCCL) or cpu (gloo); the first "
+                        "process reports (default: off)")
 
 
 def add_parser(commands) -> None:

@@ -3,24 +3,56 @@ optionally quantized weight-only or sharded with transformers' tp_plan (`hf-bloc
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ..integrations.distributed import launch_size
+from ..integrations.distributed import init_tensor_parallel, launch_size, load_sharded
 
-SHAPES = {  # architecture sizes of released checkpoints (random weights; nothing is downloaded)
+QWEN3 = dict(head_dim=128, rope_theta=1_000_000.0, tie_word_embeddings=False)  # every SDAR config below
+QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, vocab_size=152064, rope_theta=1_000_000.0, tie_word_embeddings=False)
+# Architecture sizes of released checkpoints (random weights; nothing is downloaded), with where each came from. Mask
+# ids are the released ones (a config key, or the family profile's where the config has none: model_patches/). A
+# config key left out takes its config class's default (model_patches/ for our families).
+SHAPES = {
     "tiny": dict(model_type="sdar", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=4096),
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=4096,
+                 max_position_embeddings=32768),
+    # SDAR-1.7B-Chat: trained from Qwen3-1.7B-Base (JetAstra/SDAR README.md); Qwen3-1.7B's sizes, SDAR-4B/8B's
+    # untied embeddings, context and mask id
     "sdar-1.7b": dict(model_type="sdar", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+                      num_attention_heads=16, num_key_value_heads=8, vocab_size=151936, max_position_embeddings=32768,
+                      mask_token_id=151669, **QWEN3),
+    # SDAR-4B-Chat, SDAR-8B-Chat: their released config.json (/work/shared/reference/checkpoints/, copied to
+    # tests/fixtures/reference/). TraDo-8B-Instruct is SDAR-8B trained further with TraceRL (Gen-Verse/dLLM-RL
+    # README.md: the same mask id 151669 and block 4); its config.json was not found in a source we could read, so
+    # it is taken to be SDAR-8B's and has no shape of its own.
     "sdar-4b": dict(model_type="sdar", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=151936, max_position_embeddings=32768,
+                    mask_token_id=151669, **QWEN3),
     "sdar-8b": dict(model_type="sdar", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=151936, max_position_embeddings=32768,
+                    mask_token_id=151669, **QWEN3),
+    # SDAR-30B-A3B-Chat: trained from Qwen3-30B-A3B-Base (JetAstra/SDAR README.md); Qwen3-30B-A3B's sizes (48
+    # layers, 32/4 heads of 128, 128 experts of 768, top 8, every layer MoE), SDAR's context and mask id
+    "sdar-30b-a3b": dict(model_type="sdar_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                         num_attention_heads=32, num_key_value_heads=4, vocab_size=151936, num_experts=128,
+                         num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                         max_position_embeddings=32768, mask_token_id=151669, **QWEN3),
+    # LLaDA-8B-Instruct: /work/shared/DESIGN.md section 6; context as our LLaDAConfig's LLaDA-8B defaults
     "llada-8b": dict(model_type="llada", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
-                     vocab_size=126464, embedding_size=126464, rope_theta=500000.0, max_sequence_length=8192),
-    "llada2-mini": dict(model_type="llada2_moe"),  # the config's defaults are LLaDA2.0-mini's (16B-A1B)
+                     vocab_size=126464, embedding_size=126464, rope_theta=500000.0, max_sequence_length=4096,
+                     mask_token_id=126336),
+    # LLaDA2.0-mini (16B-A1B): our LLaDA2MoeConfig's defaults are its config.json (20 layers, 16/4 heads of 128, 256
+    # experts of 512 in 8 groups, top 8, 1 shared, first layer dense; inclusionAI/LLaDA2.1-mini's config.json has the
+    # same sizes); mask id 156895 from the profile
+    "llada2-mini": dict(model_type="llada2_moe"),
+    # Dream-v0-Instruct-7B: Qwen2.5-7B's sizes (/work/shared/DESIGN.md section 6; apple/DiffuCoder-7B-Instruct, a
+    # Dream model, has the same config.json), mask id 151666
+    "dream-7b": dict(model_type="Dream", max_position_embeddings=131072, mask_token_id=151666, **QWEN25_7B),
+    # Fast_dLLM_v2_7B: its config.json (huggingface.co/Efficient-Large-Model/Fast_dLLM_v2_7B, Qwen2.5-7B sizes,
+    # bd_size 32, context 32768); mask id 151665 from the profile
+    "fast-dllm-v2-7b": dict(model_type="Fast_dLLM_Qwen", bd_size=32, max_position_embeddings=32768,
+                            mask_token_id=151665, **QWEN25_7B),
     "diffusion-gemma-26b-a4b": dict(model_type="diffusion_gemma"),  # sizes in tools/diffusion_gemma_bench.py
     "diffusion-gemma-tiny": dict(model_type="diffusion_gemma"),
     "llada2-tiny": dict(model_type="llada2_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -43,12 +75,27 @@ def _quantization_config(quantization: str):
     return None
 
 
+def shape_config(shape: str, layers: int | None = None):
+    """The transformers config of `shape` (not DiffusionGemma's: tools/diffusion_gemma_bench.py), keeping its first
+    `layers` layers (None: all). Shapes without a mask id take the last id of the vocabulary (LLaDA2's is its
+    profile's, not a config key)."""
+    from transformers import AutoConfig
+
+    sizes = dict(SHAPES[shape])
+    model_type = sizes.pop("model_type")
+    if model_type != LLADA2:
+        sizes.setdefault("mask_token_id", sizes["vocab_size"] - 1)
+    if layers is not None:
+        sizes["num_hidden_layers"] = layers  # every family maps the standard name onto its own (LLaDA: n_layers)
+    return AutoConfig.for_model(model_type, **sizes)
+
+
 def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype, quantization: str = "none",
-                tensor_parallel: bool = False):
-    """A checkpoint, or random weights of `shape`; quantized weight-only as transformers' quantizers do it (torchao
-    int8/fp8 applied to the built model; bitsandbytes nf4 quantizes while loading, so it needs `model_path`);
-    `tensor_parallel`: sharded over the launch's processes."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+                tensor_parallel: bool = False, layers: int | None = None):
+    """A checkpoint, or random weights of `shape` (its first `layers` layers; None: all) built on `device`; quantized
+    weight-only as transformers' quantizers do it (torchao int8/fp8 applied to the built model; bitsandbytes nf4
+    quantizes while loading, so it needs `model_path`); `tensor_parallel`: sharded over the launch's processes."""
+    from transformers import AutoModelForCausalLM
 
     if tensor_parallel:
         return _tensor_parallel_model(shape, model_path, device, dtype, quantization)
@@ -59,13 +106,7 @@ def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dt
         return (model if quantized is not None else model.to(device)).eval()
     if quantization == "nf4":
         raise ValueError("--quantization nf4: bitsandbytes quantizes while loading a checkpoint: pass --model DIR.")
-    sizes = dict(SHAPES[shape])
-    model_type = sizes.pop("model_type")
-    if model_type == "sdar":
-        sizes["max_position_embeddings"] = 32768
-    if model_type != LLADA2:  # LLaDA2's mask id is its profile's, not a config key
-        sizes["mask_token_id"] = sizes["vocab_size"] - 1
-    config = AutoConfig.for_model(model_type, **sizes)
+    config = shape_config(shape, layers)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if quantized is not None:
@@ -78,26 +119,22 @@ def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dt
 
 
 def _tensor_parallel_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype, quantization: str):
-    """The model sharded with transformers' tp_plan="auto" over every process of the torchrun launch. Random weights
-    are built whole with the same seed on every process (replicated parameters must agree), moved to the CPU, and
-    sharded from that state dict (so the whole copy leaves the GPU)."""
-    from transformers import DistributedConfig
+    """The model sharded with transformers' tp_plan="auto" over every process of the torchrun launch, on `device`'s
+    type (integrations.distributed.load_sharded: cuda:LOCAL_RANK over NCCL, or the CPU over gloo). Random weights are
+    built whole with the same seed on every process (replicated parameters must agree), moved to the CPU, and sharded
+    from that state dict (so the whole copy leaves the GPU)."""
+    from transformers import AutoModelForCausalLM
 
     if quantization != "none":
         raise ValueError("--tensor-parallel shards unquantized weights: drop --quantization.")
     if launch_size() < 2:
         raise ValueError("--tensor-parallel shards over the processes of a launch: run the bench under "
                          "`torchrun --nproc_per_node N -m hf_blockdiff.cli bench ...` (N dividing the head counts)")
-    if device.startswith("cuda"):  # each process decodes on its own GPU, as transformers binds it
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    distributed = DistributedConfig(tp_plan="auto", tp_size=launch_size())
     if model_path:
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, distributed_config=distributed).eval()
+        return load_sharded(AutoModelForCausalLM, model_path, launch_size(), device, dtype=dtype).eval()
+    init_tensor_parallel(launch_size(), device)  # binds this process to its GPU before the whole copy is built there
     torch.manual_seed(0)
     whole = build_model(shape, None, device, dtype)
     state, config, kind = {k: v.cpu() for k, v in whole.state_dict().items()}, whole.config, type(whole)
     del whole
-    return kind.from_pretrained(None, config=config, state_dict=state, dtype=dtype,
-                                distributed_config=distributed).eval()
+    return load_sharded(kind, None, launch_size(), device, config=config, state_dict=state, dtype=dtype).eval()

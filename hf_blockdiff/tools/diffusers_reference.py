@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from ..config import BlockDiffusionConfig
+from ..config_checks import default_block_size
+from ..profiles import model_profile
 
 
 class BlockCausalAdapter(nn.Module):
@@ -36,15 +38,19 @@ class BlockCausalAdapter(nn.Module):
 @torch.no_grad()
 def llada2_pipeline(model, prompts: torch.Tensor, cfg: BlockDiffusionConfig, eos_token_id: int | None = None):
     """Decode `prompts` [N, P] (no padding) with the pipeline under `cfg`'s llada2 settings (greedy); returns the
-    generated tokens [N, max_new_tokens] and the pipeline's forward count."""
+    generated tokens [N, max_new_tokens] and the pipeline's forward count. An unset block size is the one
+    generation takes (docs/design.md, "Presets"), an unset S the block size; the pipeline caps S at
+    gen_length // minimal_topk itself (its minimal_topk is at least 1)."""
     import diffusers
 
-    adapter = BlockCausalAdapter(model, cfg.block_size)
+    block = cfg.block_size or default_block_size(cfg.preset, model_profile(model))
+    adapter = BlockCausalAdapter(model, block)
     pipe = diffusers.LLaDA2Pipeline(model=adapter, scheduler=diffusers.BlockRefinementScheduler())
     pipe.set_progress_bar_config(disable=True)
-    out = pipe(input_ids=prompts, gen_length=cfg.max_new_tokens, block_length=cfg.block_size,
-               num_inference_steps=cfg.steps_per_block, temperature=0.0, threshold=cfg.threshold,
-               editing_threshold=cfg.editing_threshold, max_post_steps=cfg.max_post_steps, minimal_topk=1,
+    out = pipe(input_ids=prompts, gen_length=cfg.max_new_tokens, block_length=block,
+               num_inference_steps=cfg.steps_per_block or block, temperature=0.0, threshold=cfg.threshold,
+               editing_threshold=cfg.editing_threshold, max_post_steps=cfg.max_post_steps,
+               minimal_topk=cfg.minimal_topk or 1,
                eos_early_stop=eos_token_id is not None, eos_token_id=eos_token_id, mask_token_id=cfg.mask_token_id,
                output_type="seq")
     return out.sequences, adapter.calls

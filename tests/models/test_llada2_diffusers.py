@@ -36,10 +36,12 @@ def tiny_model(head_scale=6.0):
     return model
 
 
-def diffusers_tokens(model, prompt, gen_length, eos, editing_threshold=None, threshold=0.7):
-    """The generated tokens and how many forwards the pipeline ran (32 steps per block of 32, 16 post steps)."""
+def diffusers_tokens(model, prompt, gen_length, eos, editing_threshold=None, threshold=0.7, minimal_topk=1):
+    """The generated tokens and how many forwards the pipeline ran (32 steps per block of 32, at most
+    gen_length // minimal_topk; 16 post steps)."""
     settings = BlockDiffusionConfig(mask_token_id=MASK, block_size=BLOCK, steps_per_block=32, max_new_tokens=gen_length,
-                                    threshold=threshold, editing_threshold=editing_threshold, max_post_steps=16)
+                                    threshold=threshold, editing_threshold=editing_threshold, max_post_steps=16,
+                                    minimal_topk=minimal_topk)
     sequences, forwards = llada2_pipeline(model, prompt[None], settings, eos)
     return sequences[0], forwards
 
@@ -62,13 +64,15 @@ def _prompts(lengths, seed):
     return [torch.randint(0, 90, (n,), generator=generator) for n in lengths]
 
 
-def check_against_diffusers(lengths, gen_length, preset, editing_threshold=None, threshold=0.7, head_scale=6.0):
+def check_against_diffusers(lengths, gen_length, preset, editing_threshold=None, threshold=0.7, head_scale=6.0,
+                            minimal_topk=1):
     """Without EOS, then with a token the model emits mid-way (and no prompt holds) as EOS, so the EOS rule is
     exercised; returns the edit counts of both calls and whether every prompt took as many steps as diffusers'
     forwards (with editing off diffusers spends one more forward on a block filled before its last step)."""
     model, prompts = tiny_model(head_scale), _prompts(lengths, seed=sum(lengths))
-    overrides = dict(threshold=threshold, **({} if editing_threshold is None else dict(editing_threshold=editing_threshold)))
-    settings = (editing_threshold, threshold)
+    overrides = dict(threshold=threshold, minimal_topk=minimal_topk,
+                     **({} if editing_threshold is None else dict(editing_threshold=editing_threshold)))
+    settings = (editing_threshold, threshold, minimal_topk)
     without_eos, out = ours(model, prompts, gen_length, None, preset, **overrides)
     same_steps = True
     for row, prompt in enumerate(prompts):
@@ -95,6 +99,17 @@ def check_against_diffusers(lengths, gen_length, preset, editing_threshold=None,
 def test_llada2_preset_matches_diffusers(lengths, gen_length):
     edits, edits_eos, _ = check_against_diffusers(lengths, gen_length, "llada2")
     assert not edits.any() and not edits_eos.any()
+
+
+@pytest.mark.parametrize("preset, threshold", [("llada2", 0.95), ("llada2_1", 0.9)])
+@pytest.mark.parametrize("minimal_topk", [2, 4])
+def test_minimal_topk_matches_diffusers(preset, threshold, minimal_topk):
+    """minimal_topk caps the steps per block at gen_length // minimal_topk (23 and 11 of 32 at gen_length 47):
+    fewer steps, each committing more, with editing off and on. Head scale 1.5 and high thresholds leave many
+    commits to the schedule, so without the cap every prompt's tokens differ."""
+    editing = 0.5 if preset == "llada2_1" else None
+    _, _, same_steps = check_against_diffusers((17, 49, 81), 47, preset, editing, threshold, 1.5, minimal_topk)
+    assert same_steps or editing is None  # editing off: diffusers spends a forward more on a block filled early
 
 
 @pytest.mark.parametrize("editing_threshold, threshold", [
