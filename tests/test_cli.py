@@ -199,16 +199,18 @@ def test_bench_tensor_parallel_needs_a_launch(capsys):
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 
 
-@pytest.mark.parametrize("command", ["generate", "bench"])
+@pytest.mark.parametrize("command", ["generate", "bench", "train-tiny"])
 @pytest.mark.parametrize("device, message", [
     pytest.param("cuda", "--device 'cuda' is not available in this process (available: cpu)", marks=NO_CUDA),
     ("cuda:99", "--device 'cuda:99' is not available in this process (available: cpu"),
     ("gpu0", "--device 'gpu0' is no device name: pass one of cpu"),
 ])
-def test_a_device_that_is_not_there_is_one_line(checkpoint, capsys, command, device, message):
+def test_a_device_that_is_not_there_is_one_line(checkpoint, capsys, tmp_path, command, device, message):
     """It was a traceback from deep inside torch (exit 1)."""
-    source = ["--model", str(checkpoint), "--prompt", "hi"] if command == "generate" else []
+    source = {"generate": ["--model", str(checkpoint), "--prompt", "hi"], "bench": [],
+              "train-tiny": ["--out", str(tmp_path / "run")]}[command]
     assert main([command, *source, "--device", device]) == 2
+    assert not (tmp_path / "run").exists()  # train-tiny refused before it made its output folder
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("hf-blockdiff: error: ") and message in err[0]
 

@@ -18,6 +18,7 @@ import torch
 
 from ..assets import BUNDLED_MODELS, model_path
 from ..config import BlockDiffusionConfig
+from ..integrations.checkpoint import check_device
 from ..strategies import strategy_names
 from . import sweep
 from .tasks import FAMILIES, family, make_problems, solve
@@ -144,6 +145,7 @@ def show(args, rows, problems, samples: int, title: str) -> None:
 def run_train_tiny(args) -> None:
     from dataclasses import asdict
 
+    check_device(args.device, "--device")
     torch.set_num_threads(args.threads)
     max_seconds = None if args.max_minutes is None else 60 * args.max_minutes
     metrics = train(args.out, seed=args.seed, steps=args.steps, device=args.device, config=TRAIN_PRESETS[args.preset],

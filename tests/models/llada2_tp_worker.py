@@ -5,10 +5,11 @@ import json
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, DistributedConfig
+from transformers import AutoModelForCausalLM
 
 import hf_blockdiff  # noqa: F401  (registers the llada2_moe family)
 from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.integrations.distributed import load_sharded
 
 CFG = BlockDiffusionConfig.from_preset("llada2_1", block_size=4, steps_per_block=4, max_new_tokens=12, eos_token_id=[],
                                        mask_token_id=95, pad_token_id=92, threshold=0.6, editing_threshold=0.6)
@@ -17,8 +18,7 @@ MASK = torch.tensor([[1] * 7, [0, 0] + [1] * 5])
 
 
 def main(checkpoint: str, output: str) -> None:
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=DistributedConfig(tp_plan="auto"),
-                                                 dtype=torch.float32)
+    model = load_sharded(AutoModelForCausalLM, checkpoint, 2, "cpu", dtype=torch.float32)  # gloo, also on GPU hosts
     out = model.generate_multi_block(PROMPTS, CFG, attention_mask=MASK, return_dict=True)
     if torch.distributed.get_rank() == 0:
         experts = model.model.layers[1].mlp.experts
