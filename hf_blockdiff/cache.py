@@ -1,4 +1,4 @@
-"""`PagedBlockCache`: a paged KV cache for block-diffusion decoding, as a `transformers.Cache` (docs/design.md,
+"""`PagedBlockCache`: a paged KV cache for block-diffusion decoding, as a `transformers.Cache` (docs/architecture.md,
 "The cache").
 
 Each layer owns a pool of pages (`[num_pages, page_size, kv_heads, head_dim]` for K and for V, allocated at the
@@ -29,7 +29,7 @@ class ForwardPlan:
     q_limit[r, i]: window query i of row r sees the row's keys at positions [0, q_limit) (block-causal windows give
     every query of a block the end of its block; bidirectional ones the whole canvas). 0 marks padding queries.
     q_start[r, i]: in sliding-window layers the query sees only keys from q_start on (None: the model has none;
-    docs/design.md, "DiffusionGemma").
+    docs/fidelity.md, "DiffusionGemma").
     """
 
     backend: Any  # the attention backend that planned the forward and attends in it

@@ -1,4 +1,4 @@
-"""The KV cache's keyword across transformers versions (docs/design.md, "Model families").
+"""The KV cache's keyword across transformers versions (docs/fidelity.md, "Model families").
 
 transformers 5.24 renamed the cache keyword of model and layer forwards, of the mask utilities and of the model
 outputs from `past_key_values` to `cache`; the old name still works there with a FutureWarning and goes in 5.40.

@@ -17,12 +17,16 @@ from .config import ATTENTION_BACKENDS, FALLBACKS, BlockDiffusionConfig
 from .integrations.checkpoint import DTYPES, check_device, load_pretrained
 from .integrations.completions import encode
 from .integrations.distributed import generate_distributed, is_main_process
+from .config_checks import default_block_size
+from .presets import PRESETS
 from .profiles import ALIGNMENTS, ATTENTIONS, model_profile
 from .strategies import strategy_names
 from .tools import bench, demo
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(BlockDiffusionConfig)}
 FROM_MODEL = "(default: the model's)"
+# as `generate`: a generation_config with do_sample=True decides the sampling flags left unset
+FROM_GENERATION_CONFIG = "(default: the model's generation_config where it samples, else {})"
 # BlockDiffusionConfig fields exposed as flags: parser and help; a field whose default is not None gets
 # "(default: ...)" appended, the others say in their help what decides them
 CONFIG_FLAGS = {
@@ -36,9 +40,9 @@ CONFIG_FLAGS = {
     "threshold": (float, "τ of the threshold strategies (default: the strategy's own)"),
     "fallback": (str, f"what low_confidence_dynamic commits when too few positions pass the threshold: "
                       f"{', '.join(FALLBACKS)}"),
-    "temperature": (float, "0 decodes greedily, above 0 samples"),
-    "top_k": (int, "sample among the k most likely tokens; 0 or less is off"),
-    "top_p": (float, "nucleus sampling, a probability in (0, 1]; 1 is off"),
+    "temperature": (float, f"0 decodes greedily, above 0 samples {FROM_GENERATION_CONFIG}"),
+    "top_k": (int, f"sample among the k most likely tokens; 0 or less is off {FROM_GENERATION_CONFIG}"),
+    "top_p": (float, f"nucleus sampling, a probability in (0, 1]; 1 is off {FROM_GENERATION_CONFIG}"),
     "max_active_blocks": (int, "blocks decoded at once; above 1 is multi-block decoding"),
     "block_add_threshold": (float, "progress of the last block at which the next one is added (multi-block)"),
     "decoded_token_threshold": (float, "progress of a block's predecessor at which the block must make progress "
@@ -56,8 +60,12 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("decoding (BlockDiffusionConfig fields; unset ones come from the model)")
     for name, (kind, text) in CONFIG_FLAGS.items():
         default = DEFAULTS[name]
+        text = text.format(default) if "{}" in text else text
         text = text if default is None or "(default:" in text else f"{text} (default: {default})"
         group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+    group.add_argument("--preset", dest="preset", default=None, metavar="NAME",
+                       help=f"reproduce a reference decoder: {', '.join(PRESETS)}; the other flags override its "
+                       "fields (default: none)")
     group.add_argument("--eos-token-id", dest="eos_token_id", type=int, nargs="*", default=None,
                        help=f"stop token ids; the flag with no ids never stops early {FROM_MODEL}")
     group.add_argument("--logit-shift", dest="logit_shift", action=argparse.BooleanOptionalAction, default=None,
@@ -69,7 +77,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BlockDiffusionConfig:
-    return BlockDiffusionConfig(**{k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None})
+    """The flags' config: with --preset, the preset's fields under the flags given (an unknown name: ValueError)."""
+    fields = {k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None}
+    preset = fields.pop("preset", None)
+    return BlockDiffusionConfig.from_preset(preset, **fields) if preset else BlockDiffusionConfig(**fields)
 
 
 def read_prompts(args: argparse.Namespace) -> list:
@@ -94,7 +105,7 @@ def fitting_max_new_tokens(model, cfg: BlockDiffusionConfig, longest_prompt: int
     max_position_embeddings hold after the longest prompt (a note on stderr says so)."""
     limit = getattr(model.config, "max_position_embeddings", None)
     default = DEFAULTS["max_new_tokens"]
-    block = cfg.block_size or model_profile(model).block_size or 1  # no block size: one block over everything
+    block = cfg.block_size or default_block_size(cfg.preset, model_profile(model)) or 1  # none: one block over all
     if limit is None or longest_prompt + default <= limit // block * block:
         return default
     room = (limit // block * block - longest_prompt) // block * block

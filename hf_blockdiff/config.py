@@ -1,4 +1,4 @@
-"""`BlockDiffusionConfig`: every knob of the decode loop, validated on construction (docs/design.md, "The decode
+"""`BlockDiffusionConfig`: every knob of the decode loop, validated on construction (docs/architecture.md, "The decode
 loop", "Scoring and strategies", "Errors")."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 from .config_checks import (
     check_against_profile, check_canvas_fields, check_ids, check_minimal_topk, check_modes, default_block_size, fail,
 )
+from .config_record import explicit_fields, record_passed_fields
 from .presets import preset_fields
 from .profiles import ALIGNMENTS, ATTENTIONS, ModelProfile
 from .strategies import STRATEGIES, strategy_names
@@ -36,14 +37,15 @@ def _is_int(value: Any) -> bool:
 
 @dataclass
 class BlockDiffusionConfig:
-    """How `generate_multi_block` decodes. Fields left as `None` come from the model's profile (docs/design.md, "Model families").
+    """How `generate_multi_block` decodes. Fields left as `None` come from the model's profile (docs/fidelity.md, "Model families").
+    Precedence: call keywords > `explicit_fields` > preset > model's `generation_config` > defaults and profile.
 
     mask_token_id: id written at undecided positions; never proposed.
     block_size: positions decoded together (B); unset: the size the checkpoint was trained with, else the preset's,
-    else the profile's (docs/design.md, "Presets"). steps_per_block: S of the schedule n_t = ⌊B/S⌋ + [t < B mod S].
+    else the profile's (docs/fidelity.md, "Presets"). steps_per_block: S of the schedule n_t = ⌊B/S⌋ + [t < B mod S].
     minimal_topk: k of diffusers' LLaDA2Pipeline: S is capped at max_new_tokens // k (fewer steps, so each commits
     more; None: no cap; 1: no more steps than new tokens).
-    strategy / threshold / fallback: which positions are committed each step (docs/design.md, "Scoring and
+    strategy / threshold / fallback: which positions are committed each step (docs/architecture.md, "Scoring and
     strategies").
     temperature / top_k / top_p: proposal sampling; temperature 0 is greedy, top_k ≤ 0 and top_p = 1 are off. top_p
     outside (0, 1] is refused: above 1 as transformers' TopPLogitsWarper refuses it (rather than read as off), 0 as a
@@ -63,23 +65,23 @@ class BlockDiffusionConfig:
     early_stop=False decodes every row to max_new_tokens and replaces nothing, as if there were no stop ids.
     fused_store: store a finished block's K/V in the next block's first forward (token-identical, fewer forwards).
     attention_backend: "auto" (Triton on CUDA, sdpa on CPU), "sdpa", "triton" or "flash_attn" (FA2/FA3/FA4 if
-    installed). FlexAttention was measured as a candidate and not kept (README, Kernels).
+    installed). FlexAttention was measured as a candidate and not kept (docs/benchmarks.md, "Kernel microbenchmarks").
     page_size: tokens per KV-cache page. max_cache_tokens: KV-cache capacity in tokens (default: 80 % of the free GPU
     memory on CUDA, unbounded on CPU); it limits how many prompts decode at once. cuda_graphs: replay each decode
     step as a CUDA graph (None: on CUDA with the triton and flash_attn backends; True off CUDA runs the same fixed-shape step eagerly).
     max_forwards / max_repeat_run: request limits (Diffulex): a prompt ends once it took `max_forwards` decoding steps
     (its `steps` output; prefill and store forwards do not count), or once its generated tokens, decided from the
     first on, hold a run of `max_repeat_run` equal tokens (the output ends with that run); the positions after are
-    the pad id. None: no limit (docs/design.md, "The decode loop").
+    the pad id. None: no limit (docs/architecture.md, "The decode loop").
     prefix_cache_tokens: opt-in reuse of prompt prefixes across calls: up to this many tokens of earlier prompts'
     prefixes stay in the KV cache (units of lcm(page_size, block_size) tokens, least recently used evicted, emptied
     when the weights change) and a prompt starting with the same tokens reads them instead of computing them.
-    Block-causal decoding with absolute blocks; 0: off (docs/design.md, "The cache").
+    Block-causal decoding with absolute blocks; 0: off (docs/architecture.md, "The cache").
     compile: run the decoder layers through torch.compile while decoding (inductor fuses norms, rotary embedding and
     the MLP activation; shapes are dynamic, so it compiles once per layer class), and on CUDA with graphs the step's
-    scheduler calls too (their tiny bookkeeping ops fuse: docs/design.md, "Kernels and backends"). None: with CUDA
+    scheduler calls too (their tiny bookkeeping ops fuse: docs/kernels.md, "Kernels and backends"). None: with CUDA
     graphs (also for a tensor-parallel model), unless its quantized weights compile badly or every decoder layer
-    already runs fused at ≤ 64 tokens per forward (stock Qwen2/Qwen3 layers beside the Triton backend, README "Cold
+    already runs fused at ≤ 64 tokens per forward (stock Qwen2/Qwen3 layers beside the Triton backend, docs/benchmarks.md, "Cold
     start"). The first call pays the compilation (tens of seconds for a 4B model).
 
     Sampling controls: repetition_penalty (transformers semantics, over the row's decided tokens),
@@ -105,13 +107,13 @@ class BlockDiffusionConfig:
     non-prompt position of the active block takes the model's proposal where it differs with confidence
     > editing_threshold (None: off), and a block whose masks were filled before its S-th step keeps refining while
     its steps edit something, at most max_post_steps + 1 steps; a block takes at most steps_per_block +
-    max_post_steps steps, the last one commits every mask left (docs/design.md, "The decode loop").
+    max_post_steps steps, the last one commits every mask left (docs/architecture.md, "The decode loop").
     remask_threshold / stability_threshold / edit_penalty: Diffulex's edit/DMax rules on top of editing (preset
     `diffulex_edit`): a decided generated position of the active block whose proposal has confidence
     < remask_threshold turns back into a mask (None: off); a refinement step ends the refining when it left at
     least stability_threshold of the block's decided tokens unchanged (1: only a step that changes nothing, LLaDA2.1);
     edit_penalty is subtracted from the logit of the token just before a position in its block (0: off).
-    DiffusionGemma's canvas denoising (docs/design.md, "DiffusionGemma"; None: the checkpoint's generation config,
+    DiffusionGemma's canvas denoising (docs/fidelity.md, "DiffusionGemma"; None: the checkpoint's generation config,
     else transformers' defaults): max_denoising_steps, entropy_bound, t_max → t_min (the temperature schedule),
     stop_stability / stop_confidence (adaptive stopping: transformers' stability_threshold / confidence_threshold);
     noise: "counter" (the fast path's hashes) or "torch" (torch's generator in transformers' order, for tests).
@@ -321,13 +323,24 @@ class BlockDiffusionConfig:
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "BlockDiffusionConfig":
         """A config reproducing a reference decoder (see `hf_blockdiff.presets`); `overrides` win."""
-        return cls(**preset_fields(name, overrides, cls))
+        config = cls(**preset_fields(name, overrides, cls))
+        config._passed = frozenset(overrides) | {"preset"}
+        return config
+
+    @property
+    def explicit_fields(self) -> frozenset[str]:
+        """Fields passed to the constructor, `replace` or `from_preset`, or unlike the default (the preset's; see
+        `config_record`). `dataclasses.replace(cfg, x=v)` keeps cfg's record and adds x unless v is the very object
+        cfg held; `cfg.replace` records every name it is given."""
+        return explicit_fields(self)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def replace(self, **changes) -> "BlockDiffusionConfig":
-        return dataclasses.replace(self, **changes)
+        config = dataclasses.replace(self, **changes)
+        config._passed = self._passed | frozenset(changes)
+        return config
 
     def resolved(self, profile: ModelProfile, vocab_size: int | None = None) -> "BlockDiffusionConfig":
         """A copy with every profile field filled in, or a ValueError that says how to set what is missing."""
@@ -372,3 +385,6 @@ class BlockDiffusionConfig:
         cfg._validate()
         check_ids(cfg, vocab_size)
         return cfg
+
+
+record_passed_fields(BlockDiffusionConfig)

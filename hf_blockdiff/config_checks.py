@@ -1,4 +1,4 @@
-"""Checks of a `BlockDiffusionConfig` once the model's profile filled it in (docs/design.md, "Errors"): the
+"""Checks of a `BlockDiffusionConfig` once the model's profile filled it in (docs/architecture.md, "Errors"): the
 combination of modes, the model facts a preset pins against the profile, and the ids against the vocabulary. Each
 failure is a ValueError naming the field and the fix, raised before any forward."""
 
@@ -54,7 +54,7 @@ def check_prefix_store(cfg) -> None:
 
 
 def default_block_size(preset: str | None, profile: ModelProfile) -> int | None:
-    """The block size of a config that sets none (docs/design.md, "Presets"): the one the checkpoint was trained
+    """The block size of a config that sets none (docs/fidelity.md, "Presets"): the one the checkpoint was trained
     with, else the preset's (a preset describes the decoding, not the checkpoint), else the profile's default."""
     return profile.trained_block_size or (PRESETS[preset].block_size if preset else None) or profile.block_size
 
@@ -96,10 +96,11 @@ def check_against_profile(cfg, profile: ModelProfile) -> None:
 
 
 def check_minimal_topk(cfg) -> None:
-    """minimal_topk caps the steps per block at max_new_tokens // minimal_topk (diffusers' LLaDA2Pipeline)."""
-    k, bound = cfg.minimal_topk, min(cfg.max_new_tokens, cfg.block_size or cfg.max_new_tokens)
+    """minimal_topk caps the steps per block at max_new_tokens // minimal_topk (diffusers' LLaDA2Pipeline, which
+    bounds it by the generation's length only: a k above the block size leaves one step per block)."""
+    k, bound = cfg.minimal_topk, cfg.max_new_tokens
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= bound):
-        fail("minimal_topk", k, f"pass a positive integer ≤ block_size and ≤ max_new_tokens ({bound} here), or None "
+        fail("minimal_topk", k, f"pass a positive integer ≤ max_new_tokens ({bound} here), or None "
              "for no cap on the steps")
 
 
@@ -118,7 +119,7 @@ def check_ids(cfg, vocab_size: int | None) -> None:
 
 
 def check_canvas_fields(cfg) -> None:
-    """DiffusionGemma's canvas settings (docs/design.md, "DiffusionGemma"), where they are set."""
+    """DiffusionGemma's canvas settings (docs/fidelity.md, "DiffusionGemma"), where they are set."""
     steps, bound, stability, confidence = (cfg.max_denoising_steps, cfg.entropy_bound, cfg.stop_stability,
                                            cfg.stop_confidence)
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):

@@ -1,4 +1,4 @@
-"""Which of transformers' experts modules a CUDA graph can capture (docs/design.md, "MoE experts under CUDA graphs").
+"""Which of transformers' experts modules a CUDA graph can capture (docs/fidelity.md, "MoE experts under CUDA graphs").
 
 transformers' decorated experts modules dispatch on `config._experts_implementation`. Graph capture forbids reading a
 device value on the host, and three of those paths do:

@@ -1,5 +1,5 @@
 """PEFT adapters at full speed: merge the LoRA layers into the base weights for a `generate_multi_block` call, then
-put the base weights back bit-exactly (docs/design.md, "Around the loop").
+put the base weights back bit-exactly (docs/architecture.md, "Around the loop").
 
 Merging adds each adapter's delta to its base layer's `weight` (and `bias` with `lora_bias`); unmerging subtracts it
 again, which does not give the original bits back in bf16. So the tensors merging overwrites are backed up first and
@@ -141,5 +141,7 @@ def over_adapters(generate):
 
     signature = inspect.signature(generate)
     adapters = inspect.Parameter("adapters", inspect.Parameter.KEYWORD_ONLY, default=None)
-    generate_multi_block.__signature__ = signature.replace(parameters=[*signature.parameters.values(), adapters])
+    named = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    variadic = [p for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]  # **kwargs stays last
+    generate_multi_block.__signature__ = signature.replace(parameters=[*named, adapters, *variadic])
     return generate_multi_block

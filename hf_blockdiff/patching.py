@@ -42,6 +42,17 @@ class BlockDiffusionGenerationMixin:
     generate_multi_block = serialized(over_adapters(generate_multi_block))
 
 
+def diffusion_generate(self, inputs=None, generation_config=None, **kwargs):
+    """`generate` of the diffusion families: block diffusion through `generate_multi_block`, with transformers'
+    arguments (`input_ids`/`inputs`, `generation_config`, generation parameters as keywords). Returns the LongTensor
+    of prompt and new tokens, or the output object with return_dict_in_generate=True, so `pipeline("text-generation")`
+    works unchanged (docs/architecture.md)."""
+    input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
+    if input_ids is None:
+        raise ValueError("generate needs the prompt ids: pass input_ids=tokenizer(text, return_tensors='pt').input_ids.")
+    return self.generate_multi_block(input_ids, generation_config, **kwargs)
+
+
 def patch_class(cls: type) -> type:
     if not hasattr(cls, "generate_multi_block"):
         cls.generate_multi_block = BlockDiffusionGenerationMixin.generate_multi_block
@@ -88,6 +99,7 @@ def patch_known_classes() -> None:
         patch_class(getattr(transformers, name))
     for _config, _model, causal_lm, _profile in FAMILIES:
         patch_class(causal_lm)
+        causal_lm.generate = diffusion_generate  # autoregressive decoding would be meaningless for these checkpoints
     diffusion_gemma = getattr(transformers, "DiffusionGemmaForBlockDiffusion", None)  # transformers ≥ 5.12
     if diffusion_gemma is not None and not hasattr(diffusion_gemma, "generate_multi_block"):
         from .model_patches.diffusion_gemma import generate_multi_block as generate_canvases

@@ -1,4 +1,4 @@
-"""Compatibility presets (docs/design.md, "Presets"): BlockDiffusionConfig fields that reproduce a reference decoder.
+"""Compatibility presets (docs/fidelity.md, "Presets"): BlockDiffusionConfig fields that reproduce a reference decoder.
 
 Each preset pins what changes tokens (attention, alignment, strategy and its comparison, schedule, precision of the
 scores, the reference's extra rules); what the model profile knows (mask id, logit shift, stop ids, and attention
@@ -20,16 +20,16 @@ class Preset:
     source: str
     derived: dict = field(default_factory=dict)  # field -> another field whose value it takes when not given
     made_for: dict = field(default_factory=dict)  # profile facts of the checkpoints it decodes, where it differs
-    block_size: int | None = None  # the reference's, for checkpoints trained without one (docs/design.md, "Presets")
+    block_size: int | None = None  # the reference's, for checkpoints trained without one (docs/fidelity.md, "Presets")
 
 
-# d3LLM's multi-block decoders (docs/design.md, "Presets"): what its Dream and LLaDA loops share. No attention:
+# d3LLM's multi-block decoders (docs/fidelity.md, "Presets"): what its Dream and LLaDA loops share. No attention:
 # d3LLM decodes its bidirectional checkpoints by full recompute, block-causal ones take the same rules with the cache.
 _D3LLM = dict(alignment="prompt_end", max_active_blocks=1 << 20, block_add_threshold=0.5,
               decoded_token_threshold=0.5, add_activation_threshold=0.5, strategy="entropy_threshold",
               score_precision="float64", eos_fill=True)
 
-# diffusers' LLaDA2Pipeline + BlockRefinementScheduler (docs/design.md, "Presets"): what its two settings share. Its
+# diffusers' LLaDA2Pipeline + BlockRefinementScheduler (docs/fidelity.md, "Presets"): what its two settings share. Its
 # default 32 steps per block of 32 is S = B, the config's default; minimal_topk=1 caps S at max_new_tokens, as it does.
 _LLADA2 = dict(attention="block_causal", alignment="absolute", logit_shift=False, strategy="low_confidence_dynamic",
                threshold=0.7, threshold_strict=True, fallback="topk", minimal_topk=1)
@@ -107,7 +107,7 @@ PRESETS: dict[str, Preset] = {
         "differing proposal; a filled block refines until a step changes nothing (at most 16 + 1 such steps), and "
         "its (S + 16)-th step commits what is left (S = B, 32 unless the checkpoint's size differs)",
         "Diffulex LLaDA2 edit sampler (sampling_mode='edit': accept_threshold=0.9, edit_threshold=0, "
-        "max_post_edit_steps=16) + DMax remask_threshold=0.4 (docs/design.md, \"Presets\")",
+        "max_post_edit_steps=16) + DMax remask_threshold=0.4 (docs/fidelity.md, \"Presets\")",
         block_size=32,
     ),
     "dllm_var": Preset(
@@ -117,7 +117,7 @@ PRESETS: dict[str, Preset] = {
         "prompt's whole blocks prefilled seeing each other, {c > 0.9} else the most confident, one store forward "
         "per block",
         "JetEngine LLM(mask_token_id=126336, block_length=64) + SamplingParams(remasking_strategy="
-        "'low_confidence_dynamic', dynamic_threshold=0.9, denoising_steps=64) (docs/design.md, \"Presets\")",
+        "'low_confidence_dynamic', dynamic_threshold=0.9, denoising_steps=64) (docs/fidelity.md, \"Presets\")",
         made_for=dict(attention="bidirectional", alignment="prompt_end"),  # LLaDA's profile: same model_type
         block_size=64,
     ),
@@ -125,7 +125,7 @@ PRESETS: dict[str, Preset] = {
 
 
 # transformers' DiffusionGemmaGenerationConfig defaults, taken where the checkpoint's generation config leaves a canvas
-# field unset (docs/design.md, "DiffusionGemma"); config field -> value
+# field unset (docs/fidelity.md, "DiffusionGemma"); config field -> value
 DIFFUSION_GEMMA_DEFAULTS = dict(max_denoising_steps=48, entropy_bound=0.1, t_max=0.8, t_min=0.4, stop_stability=1,
                                 stop_confidence=0.005)
 PRESETS["diffusion_gemma"] = Preset(

@@ -1,6 +1,6 @@
 """Decoding profiles: what a checkpoint family needs to be decoded correctly.
 
-A profile holds the facts of docs/design.md, "Model families" (mask id, block size, attention rule, block alignment, logit shift, stop
+A profile holds the facts of docs/fidelity.md, "Model families" (mask id, block size, attention rule, block alignment, logit shift, stop
 ids). `profile_for(config)` merges, in order of precedence, the attributes the model config carries
 (`mask_token_id`, `block_size`/`bd_size`, ...) over the family defaults registered for its `model_type`.
 """

@@ -1,8 +1,8 @@
-"""Models loaded with transformers' quantization on the fast path (docs/design.md, "Around the loop").
+"""Models loaded with transformers' quantization on the fast path (docs/architecture.md, "Around the loop").
 
 torchao weights (int8 / fp8 weight-only: tensor subclasses that torch.compile and CUDA graphs trace) run the fast
-path; its int8 weight-only tensors run slower compiled than eager (measured on an H200, README "Quantized
-weights"), so compiling the decoder layers is off by default for them, with one log line. bitsandbytes 4-bit
+path; its int8 weight-only tensors run slower compiled than eager (measured on an H200, docs/benchmarks.md, "Weight-only
+quantization"), so compiling the decoder layers is off by default for them, with one log line. bitsandbytes 4-bit
 layers call bitsandbytes' own kernels, which neither torch.compile nor graph capture is known to take: those two
 are turned off for such a model, with one log line saying so. Other methods
 are refused before any forward. LoRA pre-merge refuses quantized base weights (merging into them cannot be undone

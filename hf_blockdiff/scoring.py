@@ -1,4 +1,4 @@
-"""Scores of the positions a step decides: logits → proposal, confidence, entropy, margin, log-prob (docs/design.md,
+"""Scores of the positions a step decides: logits → proposal, confidence, entropy, margin, log-prob (docs/architecture.md,
 "Scoring and strategies").
 
 Greedy and plain temperature/top-k sampling with the default confidence go through the fused scoring kernel on CUDA

@@ -1,11 +1,11 @@
-"""Remasking strategies (docs/design.md, "Scoring and strategies"): pure, batched functions from block scores to a
+"""Remasking strategies (docs/architecture.md, "Scoring and strategies"): pure, batched functions from block scores to a
 transfer mask.
 
 Every strategy sees the active blocks of a step as rows of `BlockScores` ([NB, L] tensors, one row per block) and
 returns a bool [NB, L] mask of positions to commit, always a subset of `masked`. A block marked `forced` must make
 progress as its rule says (schedule count, fallback, forced token); other blocks only take the positions that pass
 the strategy's own test, except the slot-wide forced token of `forced_token_scope="all_active"` (multi-block
-decoding: docs/design.md, "The decode loop"). Rows come grouped by slot (`slot_blocks` per slot, in block order).
+decoding: docs/architecture.md, "The decode loop"). Rows come grouped by slot (`slot_blocks` per slot, in block order).
 Ties between positions go to the lowest position. No strategy synchronizes with the host.
 """
 
@@ -137,7 +137,7 @@ def _forced_only(s: BlockScores, chosen: torch.Tensor) -> torch.Tensor:
 def _with_forced_top1(s: BlockScores, p: StrategyParams, passing: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """`passing`, plus the smallest-key masked position of forced blocks where nothing passed; with
     `forced_token_scope="all_active"` also the smallest-key masked position over all of a slot's active blocks
-    where nothing passed in any of them (d3LLM's LLaDA decoder; docs/design.md, "The decode loop")."""
+    where nothing passed in any of them (d3LLM's LLaDA decoder; docs/architecture.md, "The decode loop")."""
     stalled = s.forced & ~passing.any(-1)
     chosen = passing | (select_smallest(key, s.masked, 1) & stalled[:, None])
     if p.forced_token_scope == "all_active":
@@ -263,7 +263,7 @@ def _dream(score: Callable[[BlockScores], torch.Tensor]):
 
 
 def _register_all() -> None:
-    """Every strategy by name; their rules and where they come from: docs/design.md, "Scoring and strategies"."""
+    """Every strategy by name; their rules and where they come from: docs/architecture.md, "Scoring and strategies"."""
     entropy_range, top1 = (0.0, INF), dict(forced_top1=True)
     for strategy in (
         Strategy("sequential", _sequential),
@@ -294,7 +294,7 @@ _register_all()
 
 
 def entropy_bound_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
-    """DiffusionGemma's entropy-bound acceptance (docs/design.md, "DiffusionGemma"): per row of `entropy` [S, L],
+    """DiffusionGemma's entropy-bound acceptance (docs/fidelity.md, "DiffusionGemma"): per row of `entropy` [S, L],
     the positions of the lowest entropies whose sum minus the largest of them is ≤ `bound` (the lowest is always
     taken). Every canvas position is a candidate at every step; sorting as transformers does keeps its tie order."""
     ordered, order = torch.sort(entropy, dim=-1, descending=False)

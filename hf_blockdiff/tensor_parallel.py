@@ -1,4 +1,4 @@
-"""Tensor parallelism through transformers' `tp_plan="auto"` (docs/design.md, "Around the loop").
+"""Tensor parallelism through transformers' `tp_plan="auto"` (docs/architecture.md, "Around the loop").
 
 Under `torchrun`, `from_pretrained(..., tp_plan="auto")` shards q/k/v column-wise by heads, so each process's attention
 sees its local heads and `PagedBlockCache.update` receives local K/V: the cache sizes its page pools from the first

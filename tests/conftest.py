@@ -18,7 +18,7 @@ def _run_test(test, kwargs):
 # CPython 3.11 and 3.12 (and 3.13 and 3.14 before their backported fix, 3.14.4) free a 16 KiB chunk of the frame
 # stack as soon as calls return below it (CPython issue 142183): a hot call sitting on a chunk's edge maps and unmaps
 # a chunk every time. Under pytest's deep stack the Triton interpreter's per-launch calls landed there, and the
-# interpreted tests took three times as long, most of it mmap/munmap system time (docs/design.md, "Kernels and
+# interpreted tests took three times as long, most of it mmap/munmap system time (docs/kernels.md, "Kernels and
 # backends"). A frame declaring a 1 MiB stack gets a 2 MiB chunk of its own, and the test runs in the spare MiB above
 # it, far from any edge.
 _run_test_with_headroom = types.FunctionType(_run_test.__code__.replace(co_stacksize=1 << 17), {})

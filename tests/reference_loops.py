@@ -1,8 +1,8 @@
-"""Plain re-implementations of the reference decode loops (docs/design.md, "Presets"), batch 1, no cache.
+"""Plain re-implementations of the reference decode loops (docs/fidelity.md, "Presets"), batch 1, no cache.
 
 Every denoise step recomputes the whole canvas with the stock model and an explicit 4D mask, so these loops share
 nothing with hf_blockdiff's cache, attention dispatch, windows or strategies. Greedy decoding; the mask token is
-never proposed (docs/design.md, "Scoring and strategies"). Each returns (generated tokens [max_new_tokens] with `pad` after the first stop token,
+never proposed (docs/architecture.md, "Scoring and strategies"). Each returns (generated tokens [max_new_tokens] with `pad` after the first stop token,
 number of forwards the reference makes).
 """
 
@@ -159,7 +159,7 @@ def llada_reference(model, prompt, mask_id, block, steps, new, remasking="low_co
 def multi_block_reference(model, prompt, mask_id, block, new, threshold, block_add_threshold,
                           decoded_token_threshold, max_active_blocks=10**9, shift=True, stop_ids=(), pad=0,
                           activation_on_add=None, eos_fill=False, bidirectional=False, strict=True, slot_top1=False):
-    """d3LLM-style multi-block decoding (docs/design.md, "The decode loop" and "Presets") with entropy threshold and
+    """d3LLM-style multi-block decoding (docs/architecture.md, "The decode loop" and docs/fidelity.md, "Presets") with entropy threshold and
     forced progress: prompt_end blocks, the prompt is block 0, full recompute of the canvas each step, block-causal
     over blocks or, with `bidirectional`, every position seeing the whole canvas, blocks not yet added included
     (d3LLM's d3llm_dream_generate_util.py and d3llm_llada_generate_util.py run model(x) on the full canvas).

@@ -1,5 +1,5 @@
 """The `diffulex_edit` preset (editing with Diffulex's remasking, stability threshold, T2T edit penalty and step cap)
-token for token against a NumPy twin of the rule (docs/design.md, "The decode loop"), and its bad inputs.
+token for token against a NumPy twin of the rule (docs/architecture.md, "The decode loop"), and its bad inputs.
 
 The twin decodes one prompt at a time and recomputes the window (prompt and blocks up to the active one) with the
 stock model and a block-causal 4-D mask every step; only the logits come from torch, every rule is plain NumPy.

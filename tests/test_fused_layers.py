@@ -172,7 +172,7 @@ def test_cuda_graph_steps_keep_the_tokens_gpu(compile_, monkeypatch):
 
 def test_compile_is_off_by_default_where_every_layer_runs_fused():
     """compile=None: no torch.compile where every decoder layer runs fused at few tokens beside fused norms (it would
-    only cost its first-call time, README "Cold start"); compiled with many tokens, layers left unfused, or a
+    only cost its first-call time, docs/benchmarks.md, "Cold start"); compiled with many tokens, layers left unfused, or a
     backend that fuses no norms."""
     cuda, config = torch.device("cuda"), BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8)
     triton_backend, flash = resolve_backend("triton", cuda, 4, 64), SimpleNamespace(fuses_norms=False)

@@ -64,3 +64,21 @@ def test_the_command_line(checkpoint, tmp_path):
     run = subprocess.run(command, cwd=TASK, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "blockdiff_tiny" in run.stdout and "exact_match" in run.stdout
+
+
+def test_a_greedy_request_stays_greedy_on_a_sampling_checkpoint(checkpoint):
+    from transformers import GenerationConfig
+
+    from hf_blockdiff.generation.hf_conventions import merged_config
+    from hf_blockdiff.integrations.lm_eval import BlockDiffusionLM
+
+    lm = BlockDiffusionLM(pretrained=str(checkpoint), device="cpu")
+    lm.model.generation_config = GenerationConfig(do_sample=True, temperature=0.6)
+
+    def temperature(gen_kwargs: dict) -> float:
+        return merged_config(lm.model, lm._request_config(gen_kwargs)[0], {}).temperature
+
+    assert temperature({"until": ["\n"], "do_sample": False}) == temperature({"until": ["\n"]}) == 0
+    assert temperature({"do_sample": True, "temperature": 0.8}) == 0.8
+    lm.config = BlockDiffusionConfig(temperature=0.5)  # model_args win over the request's greedy default
+    assert temperature({"do_sample": False}) == 0.5

@@ -288,13 +288,19 @@ def test_minimal_topk_caps_the_steps(qwen3, minimal_topk):
 
 
 def test_minimal_topk_errors():
-    for value, bound in ((0, 4), (5, 4), (True, 4), (2.0, 4)):
-        with pytest.raises(ValueError, match=rf"minimal_topk={value!r} is invalid: .*≤ block_size and ≤ "
-                                             rf"max_new_tokens \({bound} here\)"):
-            BlockDiffusionConfig(block_size=4, minimal_topk=value)
+    for value in (0, 5, True, 2.0):
+        with pytest.raises(ValueError, match=rf"minimal_topk={value!r} is invalid: .*≤ max_new_tokens \(4 here\)"):
+            BlockDiffusionConfig(block_size=4, max_new_tokens=4, minimal_topk=value)
     with pytest.raises(ValueError, match=r"minimal_topk=4 is invalid: .*\(3 here\)"):
         BlockDiffusionConfig.from_preset("llada2", max_new_tokens=3, minimal_topk=4)
     assert BlockDiffusionConfig.from_preset("llada2").minimal_topk == 1 and BlockDiffusionConfig().minimal_topk is None
+
+
+def test_minimal_topk_above_the_block_size_is_diffusers_cap():
+    """diffusers bounds k by the generation's length only: k = 8 over 16 new tokens in blocks of 4 leaves 2 steps."""
+    profile = ModelProfile(mask_token_id=MASK, attention="block_causal", logit_shift=False)
+    cfg = BlockDiffusionConfig.from_preset("llada2", block_size=4, max_new_tokens=16, minimal_topk=8)
+    assert cfg.resolved(profile).steps_per_block == 2
 
 
 def test_preset_block_size_yields_to_the_trained_one():

@@ -2,6 +2,7 @@
 the same quantized model; LoRA pre-merge refuses quantized base weights; bitsandbytes turns graphs and compile off
 (logged); other quantization methods are refused before any forward."""
 
+import json
 import logging
 
 import pytest
@@ -10,12 +11,13 @@ from transformers import AutoModelForCausalLM, TorchAoConfig
 
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.attention import resolve_backend
+from hf_blockdiff.cli import main
 from hf_blockdiff.generation.engine import use_graphs
 from hf_blockdiff.generation.fusion import fusion_for
 from helpers import MASK, left_pad, random_prompts, tiny_model
 from reference_loops import sdar_reference
 
-torchao = pytest.importorskip("torchao")
+torchao = pytest.importorskip("torchao", reason="torchao is the quant extra: pip install -e '.[quant]' (CI installs it)")
 
 SETTINGS = dict(mask_token_id=MASK, block_size=4, max_new_tokens=12, strategy="low_confidence_dynamic",
                 threshold=0.6, attention="block_causal", eos_token_id=[], fused_store=False)
@@ -82,3 +84,13 @@ def test_int8_weights_keep_graphs_and_turn_compile_off_by_default(int8_model, ca
     assert "Int8Tensor weights: torch.compile of the decoder layers is off by default" in caplog.text
     assert fusion_for(cfg.replace(compile=True), backend, True, cuda, int8_model, 64) == "compile"
     assert fusion_for(cfg, backend, True, cuda, tiny_model("qwen3"), 64) == "compile"
+
+
+def test_bench_quantized_weights(capsys):
+    """--quantization int8 runs the fast path on torchao int8 weight-only layers; nf4 needs a checkpoint."""
+    code = main(["bench", "--shape", "tiny", "--batch-size", "2", "--prompt-len", "9", "--new-tokens", "8",
+                 "--device", "cpu", "--dtype", "float32", "--quantization", "int8", "--skip-reference", "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and report["settings"]["quantization"] == "int8" and report["results"][0]["tokens"] == 16
+    assert main(["bench", "--shape", "tiny", "--device", "cpu", "--quantization", "nf4"]) == 2
+    assert "pass --model DIR" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Attention backends as objects, resolved once from `BlockDiffusionConfig.attention_backend` (docs/design.md,
+"""Attention backends as objects, resolved once from `BlockDiffusionConfig.attention_backend` (docs/kernels.md,
 "Kernels and backends").
 
 Every backend reads a query's keys [0, q_limit) of its row from the paged cache. A backend says whether it runs on a

@@ -1,4 +1,4 @@
-"""DiffusionGemma on the paged cache (docs/design.md, "DiffusionGemma"): an encoder writes the prompt and every
+"""DiffusionGemma on the paged cache (docs/fidelity.md, "DiffusionGemma"): an encoder writes the prompt and every
 finished canvas into `PagedBlockCache`; a decoder with its own weights denoises a canvas of `canvas_length` tokens
 bidirectionally over that prefix, read-only (its canvas K/V are written ahead of the committed pointer, as every
 window here). The canvas rules (noise, acceptance, stopping, temperature) are `scheduler.canvas`'s; the model's
@@ -84,7 +84,7 @@ class CanvasEngine:
 
     def plan(self, positions: torch.Tensor, valid: torch.Tensor, limits: torch.Tensor, starts: torch.Tensor):
         """The attention plan of a forward over every slot: keys [starts, limits) in sliding-window layers, [0,
-        limits) in the others (docs/design.md, "DiffusionGemma")."""
+        limits) in the others (docs/fidelity.md, "DiffusionGemma")."""
         plan = self.backend.plan(self.cache, self.rows, positions, valid, limits.int())
         if self.runner.sliding_window is not None:
             plan.q_start = starts.clamp(min=0).int()

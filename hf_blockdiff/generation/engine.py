@@ -99,7 +99,7 @@ class Engine:
         fusion = fusion_for(cfg, backend, graphs, device, model, slots)
         self.executor = ModelExecutor(model, cfg, backend, fusion, slots, width, device, pool_tokens,
                                       None if store is None else store.cache)
-        # compiled where the layers are (the step's tiny bookkeeping kernels then fuse: docs/design.md, "Kernels and
+        # compiled where the layers are (the step's tiny bookkeeping kernels then fuse: docs/kernels.md, "Kernels and
         # backends"); on CUDA only, where each kernel it removes is a launch
         self.decode_step = DecodeStep(self.scheduler, self.executor, graphs and device.type == "cuda"
                                       and fusion == "compile")
@@ -295,7 +295,7 @@ def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], ma
 
 def _cache_plan(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], width: int, slots: int, samples: int,
                 engine: Engine | None, device: torch.device) -> tuple[int, int]:
-    """(slots, pool tokens) under the KV-cache budget (docs/design.md, "The cache"): every slot a canvas of `width`
+    """(slots, pool tokens) under the KV-cache budget (docs/architecture.md, "The cache"): every slot a canvas of `width`
     (twice with guidance), less the prefix pages the samples of a prompt share, plus a tail page per slot and the
     prefix store; the pool never exceeds the budget (prompts short of pages wait)."""
     page, guided = cfg.page_size, cfg.cfg_scale > 0

@@ -1,4 +1,4 @@
-"""The model executor: everything of a decode step that touches transformers (docs/design.md, "Architecture").
+"""The model executor: everything of a decode step that touches transformers (docs/architecture.md, "Architecture").
 
 It owns the HF forward of the model's decoder, the `PagedBlockCache`, the attention backend, the decoder layers'
 fusion, the LM head and the scoring of logits. It knows no decoding policy: the scheduler tells it which tokens to

@@ -1,4 +1,4 @@
-"""transformers' MoE experts on `kernels/moe_experts.py` while decoding (docs/design.md, "Kernels and backends").
+"""transformers' MoE experts on `kernels/moe_experts.py` while decoding (docs/kernels.md, "Kernels and backends").
 
 transformers' experts classes (`@use_experts_implementation`: Qwen3-MoE's, so SDAR-MoE's, DiffusionGemma's, ...)
 run their experts as `config._experts_implementation` says, `grouped_mm` by default on GPUs: a sort, a gather, two
@@ -51,7 +51,7 @@ def _stock(module: torch.nn.Module) -> bool:
 
 def fused_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
     """(module, forward) for every stock experts module of the model (none without Triton): a method bound from a
-    module-level function, the same at every install (docs/design.md, "Kernels and backends", MoE experts)."""
+    module-level function, the same at every install (docs/kernels.md, "Kernels and backends", MoE experts)."""
     if not TRITON_AVAILABLE:
         return []
     return [(m, (_any_pairs_forward if grouped_mm_captures(m.gate_up_proj) else _few_pairs_forward).__get__(m))

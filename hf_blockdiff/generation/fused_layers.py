@@ -1,6 +1,6 @@
 """Stock transformers modules with their projections as skinny-GEMM ops (`kernels/skinny_gemm.py`: a Triton kernel
 for forwards of few tokens, where a decode step's time is reading the weights; cuBLAS for more), while decoding
-(docs/design.md, "Kernels and backends").
+(docs/kernels.md, "Kernels and backends").
 
 - Gated MLPs (`LlamaMLP`, `Qwen2MLP`, `Qwen3MLP`, `Qwen3MoeMLP`: down(silu(gate(x)) · up(x))): gate, up and the
   activation in one `gated_linear`, the down projection in a one-weight `grouped_linear`.

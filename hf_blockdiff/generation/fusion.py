@@ -49,8 +49,8 @@ def fusion_for(cfg: BlockDiffusionConfig, backend: AttentionBackend, graphs: boo
     """"compile" (config `compile`), else "norms" beside a backend that fuses them, else "none". `compile=None`
     compiles with CUDA graphs, unless the weights compile badly (bitsandbytes, torchao int8) or every decoder layer
     runs fused at few tokens beside fused norms, where compiling the layers buys nothing and its first call costs
-    (README "Cold start"; `compile=True` there also compiles the step's bookkeeping, which buys 8–9 %).
-    Tensor-parallel layers compile too: their collectives trace into the compiled layers (docs/design.md, "Kernels
+    (docs/benchmarks.md, "Cold start"; `compile=True` there also compiles the step's bookkeeping, which buys 8–9 %).
+    Tensor-parallel layers compile too: their collectives trace into the compiled layers (docs/kernels.md, "Kernels
     and backends")."""
     compile_ = cfg.compile
     if compile_ is None:
@@ -81,7 +81,7 @@ def shape_policy(model) -> bool | None:
     """torch.compile's `dynamic` for the model's layers. One layer kind: None, automatic-dynamic shapes (the first shape
     compiles static, the next marks the dimensions that changed, tokens and rows, dynamic, and the widths stay
     constants; tracing every dimension as a symbol made SDAR-4B's first call on an H100 take 47 s instead of 27,
-    README "cold start"). Several kinds (Gemma-style sliding and full layers of one class, with different head
+    docs/benchmarks.md, "Cold start"). Several kinds (Gemma-style sliding and full layers of one class, with different head
     dims): True, every dimension dynamic, so the class compiles once instead of recompiling per kind and per width
     (a tiny DiffusionGemma traced 35 frames automatic-dynamic, 17 all-dynamic)."""
     kinds = set(getattr(model.config.get_text_config(), "layer_types", None) or ())

@@ -16,6 +16,7 @@ from ..quantization import check_quantization
 from ..tensor_parallel import check_tensor_parallel
 from ..scheduler import DecodeState
 from .engine import Results, engine_for, request_seeds
+from .hf_conventions import call_arguments, merged_config
 from .inputs import check_call, check_lengths, prompts_of
 
 
@@ -50,40 +51,37 @@ def generate_multi_block(
     generator: torch.Generator | None = None,
     return_dict: bool = False,
     max_batch_size: int | None = None,
-    num_return_sequences: int = 1,
+    **kwargs,
 ):
-    """Block-diffusion decoding of `input_ids` (left-padded [B, P]); see `BlockDiffusionConfig`.
+    """Block-diffusion decoding of `input_ids` (left-padded [B, P]); see `BlockDiffusionConfig`. Returns a
+    LongTensor [B, P + max_new_tokens], or a `BlockDiffusionOutput` with `return_dict` (or `return_dict_in_generate`).
 
-    `attention_mask`: pass the tokenizer's for a padded batch. Without it, as transformers' `generate` does, leading
-    pad ids (`pad_token_id`) are taken as padding, unless the pad id is also a stop or mask id: then they would be
-    decoded as prompt, and a warning says so. Calls on one model from several threads run one after another.
-
-    At most `max_batch_size` prompts decode at once; finished ones are replaced by waiting ones (prompt
-    streaming). Returns a LongTensor [B, P + max_new_tokens], or a `BlockDiffusionOutput` with `return_dict=True`.
-
-    `num_return_sequences=n` decodes every prompt n times (rows [B·n, ...], prompt-major, as transformers groups
-    them), each sample with its own seed; the samples of a prompt compute its prefix once and share its K/V pages
-    (block-causal modes; docs/design.md, "The cache"). The tokens are those of `input_ids.repeat_interleave(n, 0)`
-    with the same generator.
-
-    PEFT: on a `PeftModel` (or a model with adapters from `load_adapter`) the active LoRA adapters are merged into
-    the base weights for the call and the base weights are restored bit-exactly after it. `adapters=[name, ...]`
-    decodes once per named adapter, each alone, and returns a list of the outputs in that order.
-    `streamer`: batch 1; gets `put`/`end` like transformers streamers, and `put_draft` each step if it has one
-    (see `_TokenStream`). `generator`: a torch.Generator (None: torch's default one). An empty batch (`input_ids`
-    [0, P]; transformers' `generate` fails on one too) is refused before any forward, as all bad input (README)."""
-    if config is not None and not isinstance(config, BlockDiffusionConfig):
-        raise TypeError("config must be a BlockDiffusionConfig (or None to use the model's profile).")
+    `config`: a BlockDiffusionConfig, a transformers GenerationConfig (the fields it sets count, num_return_sequences
+    and return_dict_in_generate too) or None; keywords (config fields, transformers generation parameters) override
+    it as in `generate`. Precedence, highest first:
+    keyword > the config's set fields > preset > the model's `generation_config` (logged when it decides something)
+    > defaults and the model profile (docs/architecture.md, "Calling conventions").
+    `attention_mask`: the tokenizer's, for a padded batch; without it leading pad ids are padding, as in `generate`
+    (unless the pad id is also a stop or mask id: a warning says so). Calls from several threads run in turn.
+    `max_batch_size`: prompts decoding at once, finished ones replaced by waiting ones. `num_return_sequences=n`:
+    every prompt n times (rows prompt-major, each its own seed: the tokens of `input_ids.repeat_interleave(n, 0)`),
+    the samples sharing their prompt's K/V pages (docs/architecture.md, "The cache"). PEFT: the active LoRA adapters
+    are merged for the call and the base weights restored bit-exactly; `adapters=[name, ...]` decodes once per
+    adapter and returns the outputs in that order. `streamer` (batch 1): `put`/`end` as transformers streamers,
+    `put_draft` each step if it has one. `generator`: a torch.Generator (None: torch's default). Bad input, an empty
+    batch included, is refused before any forward (docs/architecture.md, "Errors")."""
+    call = call_arguments(config, kwargs)
+    config = merged_config(self, config, kwargs)
     vocab = getattr(self.config, "vocab_size", None)
-    check_block_config(config or BlockDiffusionConfig())
-    cfg = (config or BlockDiffusionConfig()).resolved(model_profile(self), vocab)
+    check_block_config(config)
+    cfg = config.resolved(model_profile(self), vocab)
     prompts = prompts_of(input_ids, attention_mask, cfg, vocab)
     device = input_ids.device
     check_call(cfg, device, generator, streamer)
     check_lengths(self, prompts, cfg)
     if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
         raise ValueError(f"max_batch_size={max_batch_size!r}: pass a positive integer (or None for all prompts).")
-    samples = _check_samples(num_return_sequences, streamer)
+    samples = _check_samples(call["num_return_sequences"], streamer)
     check_quantization(self)
     check_tensor_parallel(self)
     backend = resolve_backend(cfg.attention_backend, device, cfg.block_size, cfg.page_size)
@@ -99,7 +97,7 @@ def generate_multi_block(
     finally:
         self.train(was_training)
     sequences = torch.cat([input_ids.repeat_interleave(samples, 0), results.tokens], dim=1)
-    return block_output(sequences, results) if return_dict else sequences
+    return block_output(sequences, results) if return_dict or call["return_dict"] else sequences
 
 
 def block_output(sequences: torch.Tensor, results: Results) -> BlockDiffusionOutput:

@@ -9,7 +9,7 @@ count, one graph chains `CHAIN_STEPS` steps at the bound with no host round trip
 fixed-shape steps run eagerly, which is how the CPU tests check them against the exactly-sized step.
 
 Before the first step of a graphed engine whose layers are not torch.compile'd, `compile_ahead` compiles the step's
-Triton kernels in parallel (a cold process's first call: README "Cold start").
+Triton kernels in parallel (a cold process's first call: docs/benchmarks.md, "Cold start").
 
 Every capture runs with Python's cyclic garbage collector paused (`capturing`): torch no longer collects before a
 capture (`torch.compiler.config.force_cudagraph_gc` is off by default), so a collection that happens to start inside

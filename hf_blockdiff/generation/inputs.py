@@ -1,4 +1,4 @@
-"""A call's prompts and arguments, checked before any forward (docs/design.md, "Errors"): at least one row, left
+"""A call's prompts and arguments, checked before any forward (docs/architecture.md, "Errors"): at least one row, left
 padding, ids inside the vocabulary, lengths that fit the model; a torch.Generator, a streamer with `put` and `end`,
 and a compiler for `compile=True` on the call's device. Without an `attention_mask`, leading pad ids are padding, as
 transformers' `generate` infers its mask, unless the pad id is also a stop id or the mask id (then it cannot tell: it

@@ -1,4 +1,4 @@
-"""Which KV pages an admitted prompt gets (docs/design.md, "The cache").
+"""Which KV pages an admitted prompt gets (docs/architecture.md, "The cache").
 
 A prompt takes pages for its canvas (`row_end` tokens) when it is admitted and gives them back when it finishes.
 The samples of one prompt (`num_return_sequences`) form a group: the first one admitted computes the prompt's prefix

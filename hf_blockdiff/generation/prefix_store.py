@@ -1,4 +1,4 @@
-"""Prompt prefixes kept in the KV cache across calls (`prefix_cache_tokens`; docs/design.md, "The cache").
+"""Prompt prefixes kept in the KV cache across calls (`prefix_cache_tokens`; docs/architecture.md, "The cache").
 
 The unit of reuse is `lcm(page_size, block_size)` tokens: under block-causal attention the K/V of the first k units
 of a prompt depend only on those k units' tokens (whole blocks, whole pages), so a later prompt that starts with the

@@ -1,4 +1,4 @@
-"""One decode step, top to bottom (docs/design.md, "Architecture").
+"""One decode step, top to bottom (docs/architecture.md, "Architecture").
 
     status, layout = scheduler.plan()          which tokens run, where their keys are
     hidden  = executor.forward(layout)         the HF forward over the paged cache
@@ -13,7 +13,7 @@
 With capacities given every shape is fixed and nothing syncs with the host, so the step can be captured as a CUDA
 graph (`graphs.StepGraphs`); without, it is sized to the work and skips the forward when no slot has any. With
 `compiled_bookkeeping` the scheduler's four calls run through torch.compile: inductor fuses their few hundred tiny
-tensor ops into a few dozen kernels (docs/design.md, "Kernels and backends": compiled bookkeeping).
+tensor ops into a few dozen kernels (docs/kernels.md, "Kernels and backends": compiled bookkeeping).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`BlockDiffusionEvalCallback`: block-diffusion generation on eval prompts at every `Trainer.evaluate`
-(docs/design.md, "Around the loop")."""
+(docs/architecture.md, "Around the loop")."""
 
 from __future__ import annotations
 

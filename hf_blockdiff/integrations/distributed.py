@@ -1,4 +1,4 @@
-"""Data parallelism, tensor parallelism and both at once (docs/design.md, "Around the loop").
+"""Data parallelism, tensor parallelism and both at once (docs/architecture.md, "Around the loop").
 
 Data parallel: prompts split over the processes of an `accelerate launch` (or `torchrun`), completions gathered back
 in input order on every process.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -147,18 +148,24 @@ def init_tensor_parallel(size: int, device: str | None = None) -> str:
     return device_type
 
 
+_ACCELERATOR_SHOWN = threading.Lock()
+
+
 @contextmanager
 def _transformers_sees(device_type: str):
     """transformers picks the device and backend of its tensor-parallel mesh from `torch._C._get_accelerator()`: the
     accelerator torch was built with, whether or not this process sees one, so on a CUDA build it would put CPU
     shards on cuda:LOCAL_RANK. For shards on the CPU it is shown the CPU while it loads."""
-    built = torch._C._get_accelerator
-    if device_type == "cpu":
-        torch._C._get_accelerator = lambda check=None: torch.device("cpu")
-    try:
+    if device_type != "cpu":
         yield
-    finally:
-        torch._C._get_accelerator = built
+        return
+    with _ACCELERATOR_SHOWN:  # one load at a time swaps it, so each puts back what it found
+        built = torch._C._get_accelerator
+        torch._C._get_accelerator = lambda check=None: torch.device("cpu")
+        try:
+            yield
+        finally:
+            torch._C._get_accelerator = built
 
 
 def load_sharded(model_class, path: str | None, size: int, device: str | None = None, **kwargs):

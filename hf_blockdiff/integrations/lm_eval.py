@@ -12,7 +12,9 @@ From Python: `import hf_blockdiff.integrations.lm_eval`, then `lm_eval.simple_ev
 
 model_args: `pretrained` (checkpoint directory), `dtype`, `preset` (a `BlockDiffusionConfig` preset) and any
 `BlockDiffusionConfig` field with a scalar value. Per request, `max_gen_toks` sets max_new_tokens, the text is cut
-before the first `until` string, and `do_sample=True` takes the request's temperature/top_p/top_k. Log-likelihood
+before the first `until` string, and `do_sample=True` takes the request's temperature/top_p/top_k; a request without
+it (lm-eval's greedy tasks) decodes greedily unless model_args set a temperature, whatever the checkpoint's
+generation_config says. Log-likelihood
 requests are refused: diffusion decoding does not score a given continuation.
 """
 
@@ -70,6 +72,8 @@ class BlockDiffusionLM(LM):
         changes = {"max_new_tokens": int(gen_kwargs.get("max_gen_toks", self.config.max_new_tokens))}
         if gen_kwargs.get("do_sample"):
             changes.update({k: gen_kwargs[k] for k in ("temperature", "top_p", "top_k") if k in gen_kwargs})
+        elif "temperature" not in self.config.explicit_fields:  # greedy, whatever the checkpoint's generation_config
+            changes["temperature"] = 0.0
         until = gen_kwargs.get("until") or []
         return self.config.replace(**changes), [until] if isinstance(until, str) else list(until)
 

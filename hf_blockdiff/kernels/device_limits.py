@@ -1,4 +1,4 @@
-"""Fitting the kernels' launch configurations to the device's shared memory (docs/design.md, "Kernels and backends").
+"""Fitting the kernels' launch configurations to the device's shared memory (docs/kernels.md, "Kernels and backends").
 
 A Triton kernel that asks for more shared memory than a block of the device may have fails to load
 (`triton.runtime.errors.OutOfResources`). The kernels that pipeline tiles through shared memory list candidate

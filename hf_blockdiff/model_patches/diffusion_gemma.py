@@ -1,5 +1,5 @@
 """DiffusionGemma (transformers' `DiffusionGemmaForBlockDiffusion`, transformers ≥ 5.12) on the fast path
-(docs/design.md, "DiffusionGemma").
+(docs/fidelity.md, "DiffusionGemma").
 
 transformers ships the model and its own `generate`; here `generate_multi_block` decodes it through
 `generation.canvas`: this module runs the model's own modules (the encoder's and the decoder's layers, rotary
@@ -95,7 +95,7 @@ def canvas_rules(model, cfg: BlockDiffusionConfig) -> CanvasRules:
 def generate_multi_block(self, input_ids: torch.LongTensor, config: BlockDiffusionConfig | None = None,
                          attention_mask: torch.Tensor | None = None, streamer=None,
                          generator: torch.Generator | None = None, return_dict: bool = False, pixel_values=None):
-    """DiffusionGemma's canvas decoding of `input_ids` (left-padded [B, P]); see docs/design.md, "DiffusionGemma".
+    """DiffusionGemma's canvas decoding of `input_ids` (left-padded [B, P]); see docs/fidelity.md, "DiffusionGemma".
     Returns [B, P + max_new_tokens] (pad after each prompt's first stop id), or a `BlockDiffusionOutput`."""
     cfg = _checked_config(self, config, input_ids, pixel_values)
     rules = canvas_rules(self, cfg)
@@ -128,7 +128,7 @@ def generate_multi_block(self, input_ids: torch.LongTensor, config: BlockDiffusi
 
 
 def _checked_config(model, config, input_ids, pixel_values) -> BlockDiffusionConfig:
-    """Refusals before any forward (docs/design.md, "Errors")."""
+    """Refusals before any forward (docs/architecture.md, "Errors")."""
     if config is not None and not isinstance(config, BlockDiffusionConfig):
         raise TypeError("config must be a BlockDiffusionConfig (or None for the checkpoint's settings).")
     cfg = config or BlockDiffusionConfig()

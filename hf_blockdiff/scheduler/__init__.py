@@ -1,5 +1,5 @@
 """The model-free half of a decode step: decode state, window policies, strategies' decisions
-(docs/design.md, "Architecture"). Nothing here imports transformers, torch.nn or model code."""
+(docs/architecture.md, "Architecture"). Nothing here imports transformers, torch.nn or model code."""
 
 from .chunks import Chunks, plan_chunks
 from .scheduler import ActiveBlocks, ForwardLayout, Scheduler, ScoreRequest

@@ -1,4 +1,4 @@
-"""DiffusionGemma's canvas denoising, model-free (docs/design.md, "DiffusionGemma"): the canvas state of every
+"""DiffusionGemma's canvas denoising, model-free (docs/fidelity.md, "DiffusionGemma"): the canvas state of every
 slot, the temperature schedule, the uniform-noise canvas and its renoising, entropy-bound acceptance and adaptive
 stopping. The executor gives it, per step, the sampled tokens, the argmax and the entropies of every canvas
 position; this class decides the next canvas. Every update is in place on fixed buffers with no host sync, so a
@@ -101,7 +101,7 @@ class CanvasState:
 
 class CounterNoise:
     """The fast path's noise: counter-based hashes of (prompt seed, canvas, step, position[, token]), so a prompt
-    samples the same alone and in any batch (docs/design.md, "Scoring and strategies"). Counters: position p of
+    samples the same alone and in any batch (docs/architecture.md, "Scoring and strategies"). Counters: position p of
     canvas c at step t (t = 0: the initial canvas) is (c·(N + 1) + t)·L + p, mod 2**32."""
 
     def __init__(self, rules: CanvasRules, seeds: torch.Tensor):

@@ -1,11 +1,11 @@
-"""The scheduler: decode state, window policy and strategy, and nothing of the model (docs/design.md, "Architecture").
+"""The scheduler: decode state, window policy and strategy, and nothing of the model (docs/architecture.md, "Architecture").
 
 Per step it lays out the next forward (`plan`: the block status and `forward_layout`), says what that forward
 stored (`stored`), asks for scores of the undecided positions of the active blocks (`score_request`), and concludes
 the step (`conclude`): flags non-finite scores (`check_scores`), turns the scores into a `Decision` it writes
 (`decide`, `apply`) and prepares the step after (`end_step`). The model executor fills in hidden states and scores
 between those calls. All of it is tensor ops on fixed shapes: with capacities given, a step has no host sync and can
-be captured as a CUDA graph, and compiled (docs/design.md, "Kernels and backends": compiled bookkeeping).
+be captured as a CUDA graph, and compiled (docs/kernels.md, "Kernels and backends": compiled bookkeeping).
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ class Scheduler:
         finished = self.policy.finished(state, status)
         if self.stop_ids.numel():
             finished |= self.policy.stopped(state, status, self.stop_ids)
-        if self.cfg.max_forwards is not None:  # request limits (docs/design.md, "The decode loop")
+        if self.cfg.max_forwards is not None:  # request limits (docs/architecture.md, "The decode loop")
             finished |= state.draws >= self.cfg.max_forwards
         if self.cfg.max_repeat_run is not None:
             finished |= state.repeat_end(self.cfg.max_repeat_run)[1]

@@ -1,4 +1,4 @@
-"""Decode state: every slot's canvas and block bookkeeping (docs/design.md, "The decode loop"), as fixed-size tensors.
+"""Decode state: every slot's canvas and block bookkeeping (docs/architecture.md, "The decode loop"), as fixed-size tensors.
 
 A slot holds one prompt at a time (prompt streaming refills finished slots). Slots are kept in their own coordinates
 (position 0 = the prompt's first token, whatever the caller's left padding), so a prompt decodes the same alone or in
@@ -165,7 +165,7 @@ class DecodeState:
         return BlockStatus(masked, remaining, progress, (remaining == 0) & ~self.refining)
 
     def activate(self, status: BlockStatus, slots: torch.Tensor) -> None:
-        """Mark blocks of `slots` ([R] bool) fully activated and add at most one block per slot (docs/design.md,
+        """Mark blocks of `slots` ([R] bool) fully activated and add at most one block per slot (docs/architecture.md,
         "The decode loop": multi-block rules)."""
         cfg, blocks = self.cfg, self.block_index
         is_added = blocks < self.added[:, None]
@@ -271,7 +271,7 @@ class DecodeState:
 
     def repeat_end(self, run: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Canvas position where each slot's first run of `run` equal tokens ends, among its generated tokens decided
-        from the first on, and whether there is one (docs/design.md, "The decode loop": request limits)."""
+        from the first on, and whether there is one (docs/architecture.md, "The decode loop": request limits)."""
         if run > self.width + 1:
             return self.prompt_len, torch.zeros_like(self.done)
         generated = self.generated()

@@ -1,4 +1,4 @@
-"""Window policies: one class per decoding mode (docs/design.md, "The decode loop" and "Architecture").
+"""Window policies: one class per decoding mode (docs/architecture.md, "The decode loop" and "Architecture").
 
 A policy answers, for every slot and from the decode state alone: which span of canvas positions the next forward
 runs (`spans`), which keys each query may see (`key_limits`), which finished blocks that forward stores
@@ -206,7 +206,7 @@ class SubBlocks(StoreForward):
 
 
 class Editing(BlockCausal):
-    """Editable decoding (docs/design.md, "The decode loop"): LLaDA2.1 as diffusers' BlockRefinementScheduler
+    """Editable decoding (docs/architecture.md, "The decode loop"): LLaDA2.1 as diffusers' BlockRefinementScheduler
     and LLaDA2Pipeline define it, and Diffulex's edit/DMax rules as parameters (remasking, stability, the step cap;
     their defaults give LLaDA2.1). Every step the active block's decided generated positions may be edited or
     remasked; a block filled before its S-th step keeps refining (it is not complete, so it is neither stored nor

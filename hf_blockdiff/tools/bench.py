@@ -22,6 +22,7 @@ import torch
 
 from ..cache_keyword import cache_kwarg
 from ..config import ATTENTION_BACKENDS, BlockDiffusionConfig
+from ..generation.hf_conventions import as_given
 from ..integrations.checkpoint import check_device
 from ..integrations.distributed import is_main_process, launch_size
 from ..patching import free_cache
@@ -117,7 +118,7 @@ def _llada2_settings(args, mask_id: int):
         "llada2_1" if editing else "llada2", mask_token_id=mask_id, max_new_tokens=args.new_tokens, eos_token_id=[],
         attention_backend=args.attention_backend, compile=COMPILE[args.compile],
         **editing, **sizes)
-    return cfg, diffusers_llada2
+    return as_given(cfg), diffusers_llada2
 
 
 def _settings(args, model, mask_id: int):
@@ -139,7 +140,7 @@ def _settings(args, model, mask_id: int):
         alignment="prompt_end" if bidirectional else "absolute",
         compile=COMPILE[args.compile],
     )
-    return cfg, llada_loop if bidirectional else reference_loop
+    return as_given(cfg), llada_loop if bidirectional else reference_loop
 
 
 def bench(args) -> dict:

@@ -39,7 +39,7 @@ class BlockCausalAdapter(nn.Module):
 def llada2_pipeline(model, prompts: torch.Tensor, cfg: BlockDiffusionConfig, eos_token_id: int | None = None):
     """Decode `prompts` [N, P] (no padding) with the pipeline under `cfg`'s llada2 settings (greedy); returns the
     generated tokens [N, max_new_tokens] and the pipeline's forward count. An unset block size is the one
-    generation takes (docs/design.md, "Presets"), an unset S the block size; the pipeline caps S at
+    generation takes (docs/fidelity.md, "Presets"), an unset S the block size; the pipeline caps S at
     gen_length // minimal_topk itself (its minimal_topk is at least 1)."""
     import diffusers
 

@@ -1,5 +1,5 @@
 """`hf-blockdiff bench --shape diffusion-gemma-26b-a4b`: DiffusionGemma through generate_multi_block against
-transformers' own `generate`, same process, same prompts, random weights (docs/design.md, "DiffusionGemma").
+transformers' own `generate`, same process, same prompts, random weights (docs/fidelity.md, "DiffusionGemma").
 
 Both sides run every canvas for exactly `--denoising-steps` steps (adaptive stopping is given a confidence no canvas
 reaches), so they do the same work per step whatever the acceptance; the report gives tok/s, ms per denoising step

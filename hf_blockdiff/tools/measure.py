@@ -63,7 +63,7 @@ def make_report(args, device_name: str, first: Measurement, results: list[Measur
 @contextmanager
 def recompile_limits_hit():
     """What dynamo says inside of each compiled function that hit its recompile limit and so runs eager from then on,
-    a slowdown nothing else reports (docs/design.md, "Kernels and backends": forwards installed as new objects did
+    a slowdown nothing else reports (docs/kernels.md, "Kernels and backends": forwards installed as new objects did
     that to DiffusionGemma's compiled layers): its warning's first two lines (limit, function), or, where logging
     hides the warning, the count of such events from dynamo's counters."""
     from torch._dynamo.utils import counters

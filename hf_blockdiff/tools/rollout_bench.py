@@ -4,7 +4,6 @@ against the same rows decoded as repeated prompts without sharing; tok/s and the
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -26,7 +25,7 @@ def rollout_runs(args, model, cfg: BlockDiffusionConfig, prompts: torch.Tensor) 
     shared = cfg
     if args.shared_prefix:
         unit = math.lcm(cfg.page_size, cfg.block_size)
-        shared = dataclasses.replace(cfg, prefix_cache_tokens=-(-args.shared_prefix // unit) * unit)
+        shared = cfg.replace(prefix_cache_tokens=-(-args.shared_prefix // unit) * unit)
     repeated = prompts.repeat_interleave(n, 0)
 
     def sharing():

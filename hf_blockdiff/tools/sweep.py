@@ -3,7 +3,7 @@
 Each setting decodes the held-out problems greedily (accuracy, tokens per forward, forwards) and, at temperature 1,
 `samples` times per problem with one seeded generator (pass@1: the mean accuracy of the samples; pass@k: the share of
 problems that at least one sample solves). The greedy points (accuracy against tokens per forward) that no other point
-beats in both are the Pareto front. Rows and plot: README, "The strategy table".
+beats in both are the Pareto front. Rows and plot: docs/benchmarks.md, "The strategy table".
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class SweepRow:
 
 
 # The sweep makes two short calls per setting: on CUDA, capturing graphs and compiling layers anew for each would
-# cost more than they save, and the tokens are the same without them (docs/design.md, "The decode loop").
+# cost more than they save, and the tokens are the same without them (docs/architecture.md, "The decode loop").
 EAGER = dict(cuda_graphs=False, compile=False)
 
 

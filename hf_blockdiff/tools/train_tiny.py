@@ -25,7 +25,7 @@ optimizer, schedule, noise generator, position in the data) in `--out`, from whi
 bit. The bundled hard model (hf_blockdiff/assets/hard_model) came from `hf-blockdiff train-tiny --preset hard --device
 cuda --seed 0 --steps 9700 --max-minutes 7.6` run twice on an H100, 2026-11-24 (746 s of training; its
 training.json records the run): 96.2 % of 500 held-out problems sequentially, 96.0 % at 2.76 tokens per forward with
-τ = 0.9. Seed 1, trained beside it, landed at 84.2 % (README, "The strategy table").
+τ = 0.9. Seed 1, trained beside it, landed at 84.2 % (docs/benchmarks.md, "The strategy table").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ diffusers runs one prompt at a time through a thin adapter (tools/diffusers_refe
 a 2-D mask over the canvas, the adapter turns it into the block-causal 4-D mask the released model expects);
 `generate_multi_block` decodes all prompts as one left-padded batch. Prompt + new tokens end on a block boundary:
 diffusers hides the canvas past `P + gen_length` from every key (its 2-D mask), the released `generate` and we do
-not, so only there the last block could differ (docs/design.md, "Presets")."""
+not, so only there the last block could differ (docs/fidelity.md, "Presets")."""
 
 from __future__ import annotations
 
