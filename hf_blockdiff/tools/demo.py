@@ -18,7 +18,6 @@ import torch
 
 from ..assets import BUNDLED_MODELS, model_path
 from ..config import BlockDiffusionConfig
-from ..generation.hf_conventions import as_given
 from ..integrations.checkpoint import check_device
 from ..strategies import strategy_names
 from . import sweep
@@ -87,7 +86,7 @@ def run_table(args, model, tokenizer, problems, room: int, heading: str) -> None
     chosen = {name: STRATEGIES.get(name, dict(strategy=name)) for name in (args.strategy or STRATEGIES)}
     results, outputs = [], {}
     for label, fields in chosen.items():
-        solved = solve(model, tokenizer, problems, as_given(BlockDiffusionConfig(max_new_tokens=room, **fields)))
+        solved = solve(model, tokenizer, problems, BlockDiffusionConfig(max_new_tokens=room, **fields))
         results.append({"strategy": label, "accuracy": round(solved.accuracy, 4), "num_forwards": solved.num_forwards,
                         "tokens_per_forward": round(solved.tokens_per_forward, 3), "tok_s": round(solved.tok_s, 1)})
         outputs[label] = solved.outputs

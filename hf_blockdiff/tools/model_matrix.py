@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..config import BlockDiffusionConfig
+from ..generation.hf_conventions import as_given
 from ..patching import free_cache
 from ..profiles import model_profile
 from .bench_models import SHAPES, build_model
@@ -85,7 +86,7 @@ def mask_token(model) -> int | None:
 def decode(model, ids: torch.Tensor, attention: torch.Tensor, new_tokens: int, path: str) -> tuple[torch.Tensor, int]:
     """(generated tokens, forwards) of one call on the fast path or eager sdpa; the family's profile sets the rest.
     The same seed every call: a canvas model's starting noise and any sampling repeat."""
-    cfg = BlockDiffusionConfig(max_new_tokens=new_tokens, eos_token_id=[], **PATHS[path])
+    cfg = as_given(BlockDiffusionConfig(max_new_tokens=new_tokens, eos_token_id=[], **PATHS[path]))
     out = model.generate_multi_block(ids, cfg, attention_mask=attention, return_dict=True,
                                      generator=torch.Generator().manual_seed(0))
     return out.sequences[:, ids.shape[1]:], out.num_forwards

@@ -40,6 +40,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from ..config import BlockDiffusionConfig
+from ..generation.hf_conventions import as_given
 
 SPLITS = ("train", "held_out")
 PAD, EOS, MASK, UNK = "<pad>", "<eos>", "<mask>", "<unk>"
@@ -211,8 +212,9 @@ def solve(model, tokenizer, problems: list[tuple[str, str]], cfg: BlockDiffusion
     prompts = [prompt for prompt, _ in problems]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     start = time.perf_counter()
-    out = model.generate_multi_block(enc.input_ids, cfg, attention_mask=enc.attention_mask, return_dict=True,
-                                     generator=generator, num_return_sequences=samples)
+    # as_given: the model's generation_config decides nothing, the reports hold what cfg says
+    out = model.generate_multi_block(enc.input_ids, as_given(cfg), attention_mask=enc.attention_mask,
+                                     return_dict=True, generator=generator, num_return_sequences=samples)
     seconds = time.perf_counter() - start
     generated = out.sequences[:, enc.input_ids.shape[1]:]
     texts = [tokenizer.decode(row, skip_special_tokens=True) for row in generated]
