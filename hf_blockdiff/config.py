@@ -12,7 +12,7 @@ from .config_checks import (
     check_against_profile, check_canvas_fields, check_ids, check_minimal_topk, check_modes, default_block_size, fail,
 )
 from .config_record import explicit_fields, record_passed_fields
-from .presets import preset_fields
+from .presets import PRESETS, preset_fields
 from .profiles import ALIGNMENTS, ATTENTIONS, ModelProfile
 from .strategies import STRATEGIES, strategy_names
 
@@ -191,7 +191,7 @@ class BlockDiffusionConfig:
         for name in ("block_size", "steps_per_block", "max_new_tokens", "max_active_blocks", "page_size",
                      "max_cache_tokens"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value <= 0):
+            if (value is not None or name == "max_new_tokens") and (not _is_int(value) or value <= 0):
                 fail(name, value, "pass a positive integer")
         if self.page_size & (self.page_size - 1):
             fail("page_size", self.page_size, "pass a power of two (16, 32, 64, ...)")
@@ -330,15 +330,21 @@ class BlockDiffusionConfig:
     @property
     def explicit_fields(self) -> frozenset[str]:
         """Fields passed to the constructor, `replace` or `from_preset`, or unlike the default (the preset's; see
-        `config_record`). `dataclasses.replace(cfg, x=v)` keeps cfg's record and adds x unless v is the very object
-        cfg held; `cfg.replace` records every name it is given."""
+        `config_record`). `cfg.replace` records the names it is given; a `dataclasses.replace` copy counts every
+        field as set."""
         return explicit_fields(self)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def replace(self, **changes) -> "BlockDiffusionConfig":
-        config = dataclasses.replace(self, **changes)
+        """A copy with `changes`; a field the preset derives from a changed one (Dream's block size from
+        max_new_tokens) follows it unless it was set."""
+        derived = PRESETS[self.preset].derived if self.preset in PRESETS else {}
+        explicit = self.explicit_fields
+        follows = {target: changes[source] for target, source in derived.items()
+                   if source in changes and target not in changes and target not in explicit}
+        config = dataclasses.replace(self, **changes, **follows)
         config._passed = self._passed | frozenset(changes)
         return config
 

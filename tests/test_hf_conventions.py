@@ -196,3 +196,41 @@ def test_cli_preset(capsys):
     assert main(["generate", "--model", "demo", "--prompt", "37+50=", "--preset", "nope"]) == 2
     error = capsys.readouterr().err.strip()
     assert "Unknown preset 'nope'" in error and "\n" not in error
+
+
+def test_a_keyword_do_sample_wins_over_the_generation_configs_do_sample(demo):
+    """generate merges the GenerationConfig and the keywords before it reads them: do_sample=True over its
+    do_sample=False samples at its temperature (it was refused as do_sample=False with temperature 0.7)."""
+    model, _ = demo
+    config = GenerationConfig(do_sample=False, temperature=0.7, max_new_tokens=8)
+    merged = merged_config(model, config, {"do_sample": True})
+    assert (merged.temperature, merged.max_new_tokens) == (0.7, 8)
+
+
+def test_replace_carries_a_derived_field_along_unless_it_was_set():
+    """Dream's one block follows max_new_tokens through replace (lm-eval's max_gen_toks), unless set."""
+    dream = BlockDiffusionConfig.from_preset("dream", max_new_tokens=64)
+    assert dream.replace(max_new_tokens=32).block_size == 32
+    fixed = BlockDiffusionConfig.from_preset("dream", max_new_tokens=64, block_size=16)
+    assert fixed.replace(max_new_tokens=32).block_size == 16
+
+
+def test_none_is_unset_as_in_generate_and_generates_named_arguments_at_their_defaults_pass(demo):
+    model, tokenizer = demo
+    enc = tokenizer("37+50=", return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=8, top_k=None, temperature=None, synced_gpus=False,
+                         assistant_model=None)
+    assert tokenizer.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True) == "87"
+    with pytest.raises(ValueError, match="max_new_tokens=None is invalid"):
+        BlockDiffusionConfig(max_new_tokens=None)
+    with pytest.raises(ValueError, match="synced_gpus=True: block-diffusion decoding does not support it"):
+        merged_config(model, None, {"synced_gpus": True})
+    assert merged_config(model, None, {"disable_compile": True}).compile is False  # TRL passes it
+    assert merged_config(model, BlockDiffusionConfig(compile=True), {"disable_compile": True}).compile is False
+
+
+def test_a_sampled_lm_eval_request_takes_the_checkpoints_then_transformers_sampling_defaults(sdar_chat):
+    given = hf_conventions.sampling_fields(sdar_chat, {"temperature": 0.5})
+    assert given == {"temperature": 0.5, "top_k": 20, "top_p": 0.95}
+    sdar_chat.generation_config = GenerationConfig()
+    assert hf_conventions.sampling_fields(sdar_chat, {}) == {"temperature": 1.0, "top_k": 50, "top_p": 1.0}

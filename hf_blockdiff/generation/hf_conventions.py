@@ -22,9 +22,15 @@ CONFIG_CALL_ARGUMENTS = ("num_return_sequences", "return_dict_in_generate")  # c
 CHECKPOINT_FIELDS = ("max_new_tokens", "repetition_penalty")  # taken from the checkpoint whether or not it samples
 SAMPLING = ("temperature", "top_k", "top_p")
 IGNORED = ("bos_token_id", "transformers_version", "_from_model_config", "use_cache")
+# named arguments of transformers' `generate`: taken at the values that turn nothing on (None, False), refused by name
+# otherwise; disable_compile=True (TRL passes it) is compile=False
+GENERATE_ARGUMENTS = ("synced_gpus", "assistant_model", "assistant_tokenizer", "prefix_allowed_tokens_fn",
+                      "stopping_criteria", "negative_prompt_ids", "negative_prompt_attention_mask",
+                      "use_model_defaults", "custom_generate", "disable_compile")
 REFUSED = dict(max_length="pass max_new_tokens (block diffusion generates a fixed number of new tokens)",
                stop_strings="block diffusion stops at token ids only: pass eos_token_id, or cut the decoded text")
 FIELDS = tuple(field.name for field in dataclasses.fields(BlockDiffusionConfig))
+GENERATION_DEFAULTS = GenerationConfig()
 
 
 def _global_defaults() -> dict:
@@ -39,8 +45,12 @@ def hf_fields(values: dict, source: str) -> dict:
     """BlockDiffusionConfig fields of transformers generation parameters `values` (keywords or a GenerationConfig's
     set fields): do_sample=False is greedy (temperature 0), do_sample=True stays as `do_sample` (`merged_config`
     fills the sampling parameters left unset); a parameter block diffusion does not take is refused."""
-    fields = {}
+    fields = {"compile": False} if values.get("disable_compile") and "compile" not in values else {}
     for name, value in values.items():
+        if value is None and name not in FIELDS or name == "disable_compile":
+            continue  # transformers' "unset"
+        if value is None and hasattr(GENERATION_DEFAULTS, name):
+            continue  # a generation parameter given as None is unset, as in `generate`
         if name in REFUSED and value is not None:
             raise ValueError(f"{source} {name}={value!r} is not supported: {REFUSED[name]}.")
         if name in FIELDS or name == "do_sample":
@@ -86,26 +96,31 @@ def split_call(config, kwargs: dict) -> tuple[BlockDiffusionConfig | None, dict,
     if config is not None and not isinstance(config, (BlockDiffusionConfig, GenerationConfig)):
         raise TypeError("config must be a BlockDiffusionConfig or a transformers GenerationConfig (or None to use "
                         "the model's profile and generation_config).")
-    known = (*FIELDS, *CALL_ARGUMENTS)
+    known = (*FIELDS, *CALL_ARGUMENTS, *GENERATE_ARGUMENTS)
     for name in kwargs:
-        if name not in known and not hasattr(GenerationConfig(), name):
+        if name not in known and not hasattr(GENERATION_DEFAULTS, name):
             close = difflib.get_close_matches(name, known)
             hint = f"did you mean {', '.join(close)}?" if close else "see BlockDiffusionConfig for the fields"
             raise ValueError(f"generate_multi_block got an unknown keyword {name!r}: {hint}")
-    keywords = hf_fields({k: v for k, v in kwargs.items() if k not in CALL_ARGUMENTS}, "keyword")
+    keywords = {k: v for k, v in kwargs.items() if k not in CALL_ARGUMENTS}
     if not isinstance(config, GenerationConfig):
-        return config, {}, keywords
+        return config, {}, hf_fields(keywords, "keyword")
     set_fields = {k: v for k, v in config.to_diff_dict().items() if k not in CONFIG_CALL_ARGUMENTS}
-    return None, hf_fields(set_fields, "GenerationConfig"), keywords
+    # merged before they are read, keywords winning, as `generate` merges them (do_sample=True over the
+    # GenerationConfig's do_sample=False samples at its temperature)
+    return None, hf_fields(_layered(set_fields, keywords), "GenerationConfig and keywords"), {}
 
 
 def _layered(*sources: dict) -> dict:
     """The fields of `sources`, lowest precedence first. A source's do_sample=True turns sampling on over a lower
-    source's temperature 0; a source's temperature 0 turns a lower source's do_sample=True off."""
+    source's temperature 0, do_sample=False a lower source's temperature off; a source's temperature 0 turns a
+    lower source's do_sample=True off."""
     chosen = {}
     for fields in sources:
         if fields.get("do_sample") and "temperature" not in fields and chosen.get("temperature") == 0:
             del chosen["temperature"]
+        if fields.get("do_sample") is False and "temperature" not in fields:
+            chosen.pop("temperature", None)  # greedy over a lower source's temperature
         if fields.get("temperature") == 0:
             chosen.pop("do_sample", None)
         chosen.update(fields)
@@ -136,6 +151,13 @@ def merged_config(model, config, kwargs: dict) -> BlockDiffusionConfig:
         return config
     fields = {**defaults, **decided, **chosen}
     return BlockDiffusionConfig.from_preset(preset, **fields) if preset else BlockDiffusionConfig(**fields)
+
+
+def sampling_fields(model, given: dict) -> dict:
+    """temperature, top_k and top_p of a request that says do_sample=True: `given`'s, else the model's
+    `generation_config`'s, else transformers' defaults (what `generate` samples with)."""
+    checkpoint = checkpoint_fields(model, sampling=True)
+    return {name: given.get(name, checkpoint.get(name, _global_defaults()[name])) for name in SAMPLING}
 
 
 def as_given(config: BlockDiffusionConfig) -> BlockDiffusionConfig:

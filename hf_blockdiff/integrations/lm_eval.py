@@ -27,6 +27,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from ..config import BlockDiffusionConfig
+from ..generation.hf_conventions import sampling_fields
 from .checkpoint import load_pretrained
 from .completions import complete
 
@@ -70,8 +71,8 @@ class BlockDiffusionLM(LM):
 
     def _request_config(self, gen_kwargs: dict) -> tuple[BlockDiffusionConfig, list[str]]:
         changes = {"max_new_tokens": int(gen_kwargs.get("max_gen_toks", self.config.max_new_tokens))}
-        if gen_kwargs.get("do_sample"):
-            changes.update({k: gen_kwargs[k] for k in ("temperature", "top_p", "top_k") if k in gen_kwargs})
+        if gen_kwargs.get("do_sample"):  # as HFLM's generate: unset sampling parameters from the checkpoint
+            changes.update(sampling_fields(self.model, gen_kwargs))
         elif "temperature" not in self.config.explicit_fields:  # greedy, whatever the checkpoint's generation_config
             changes["temperature"] = 0.0
         until = gen_kwargs.get("until") or []
