@@ -17,7 +17,7 @@ from .config import ATTENTION_BACKENDS, FALLBACKS, BlockDiffusionConfig
 from .integrations.checkpoint import DTYPES, check_device, load_pretrained
 from .integrations.completions import encode
 from .integrations.distributed import generate_distributed, is_main_process
-from .config_checks import default_block_size
+from .config_checks import decoded_block_size
 from .presets import PRESETS
 from .profiles import ALIGNMENTS, ATTENTIONS, model_profile
 from .strategies import strategy_names
@@ -105,7 +105,7 @@ def fitting_max_new_tokens(model, cfg: BlockDiffusionConfig, longest_prompt: int
     max_position_embeddings hold after the longest prompt (a note on stderr says so)."""
     limit = getattr(model.config, "max_position_embeddings", None)
     default = DEFAULTS["max_new_tokens"]
-    block = cfg.block_size or default_block_size(cfg.preset, model_profile(model)) or 1  # none: one block over all
+    block = decoded_block_size(cfg, model_profile(model)) or 1  # none: one block over all
     if limit is None or longest_prompt + default <= limit // block * block:
         return default
     room = (limit // block * block - longest_prompt) // block * block

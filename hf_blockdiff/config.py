@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config_checks import (
-    check_against_profile, check_canvas_fields, check_ids, check_minimal_topk, check_modes, default_block_size, fail,
+    check_against_profile, check_canvas_fields, check_ids, check_minimal_topk, check_modes, decoded_block_size, fail,
 )
 from .config_record import explicit_fields, record_passed_fields
 from .presets import PRESETS, preset_fields
@@ -340,10 +340,11 @@ class BlockDiffusionConfig:
     def replace(self, **changes) -> "BlockDiffusionConfig":
         """A copy with `changes`; a field the preset derives from a changed one (Dream's block size from
         max_new_tokens) follows it unless it was set."""
-        derived = PRESETS[self.preset].derived if self.preset in PRESETS else {}
-        explicit = self.explicit_fields
-        follows = {target: changes[source] for target, source in derived.items()
-                   if source in changes and target not in changes and target not in explicit}
+        preset = PRESETS.get(self.preset)
+        derived = {target: source for target, source in (preset.derived if preset else {}).items()
+                   if source in changes and target not in changes}
+        explicit = self.explicit_fields if derived else frozenset()  # it builds the preset's config: only when needed
+        follows = {target: changes[source] for target, source in derived.items() if target not in explicit}
         config = dataclasses.replace(self, **changes, **follows)
         config._passed = self._passed | frozenset(changes)
         return config
@@ -353,7 +354,7 @@ class BlockDiffusionConfig:
         check_against_profile(self, profile)
         filled = {name: getattr(profile, name) for name in PROFILE_FIELDS if getattr(self, name) is None}
         if self.block_size is None:
-            filled["block_size"] = default_block_size(self.preset, profile)
+            filled["block_size"] = decoded_block_size(self, profile)
         cfg = dataclasses.replace(self, **{k: v for k, v in filled.items() if v is not None})
         if cfg.mask_token_id is None:
             raise ValueError(

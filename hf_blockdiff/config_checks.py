@@ -53,10 +53,11 @@ def check_prefix_store(cfg) -> None:
              f"block_size) = {unit} tokens): pass at least {unit}, or 0 to turn the store off")
 
 
-def default_block_size(preset: str | None, profile: ModelProfile) -> int | None:
-    """The block size of a config that sets none (docs/fidelity.md, "Presets"): the one the checkpoint was trained
+def decoded_block_size(cfg, profile: ModelProfile) -> int | None:
+    """The block size `cfg` decodes at (docs/fidelity.md, "Presets"): its own, else the one the checkpoint was trained
     with, else the preset's (a preset describes the decoding, not the checkpoint), else the profile's default."""
-    return profile.trained_block_size or (PRESETS[preset].block_size if preset else None) or profile.block_size
+    preset = PRESETS[cfg.preset].block_size if cfg.preset else None
+    return cfg.block_size or profile.trained_block_size or preset or profile.block_size
 
 
 def check_against_profile(cfg, profile: ModelProfile) -> None:
@@ -79,7 +80,7 @@ def check_against_profile(cfg, profile: ModelProfile) -> None:
             fixes[name] = fact
     if fixes.get("logit_shift") is False and cfg.first_token_on_store:  # check_modes: it needs the shift
         fixes["first_token_on_store"] = False
-    sub, block = cfg.sub_block_size, cfg.block_size or default_block_size(cfg.preset, profile)
+    sub, block = cfg.sub_block_size, decoded_block_size(cfg, profile)
     if sub is not None and block is not None and pinned.get("sub_block_size") == sub and block % sub:
         conflicts.append(f"sub_block_size={sub} but this model's block_size={block} is not a multiple of it")
         fixes["sub_block_size"] = math.gcd(sub, block)

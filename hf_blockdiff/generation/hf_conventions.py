@@ -38,7 +38,7 @@ def _global_defaults() -> dict:
 
 
 def _is_no_op(name: str, value) -> bool:
-    return name in IGNORED or value is None or value is False or _global_defaults().get(name, object()) == value
+    return name in IGNORED or value is False or _global_defaults().get(name, object()) == value
 
 
 def hf_fields(values: dict, source: str) -> dict:
@@ -47,11 +47,9 @@ def hf_fields(values: dict, source: str) -> dict:
     fills the sampling parameters left unset); a parameter block diffusion does not take is refused."""
     fields = {"compile": False} if values.get("disable_compile") and "compile" not in values else {}
     for name, value in values.items():
-        if value is None and name not in FIELDS or name == "disable_compile":
-            continue  # transformers' "unset"
-        if value is None and hasattr(GENERATION_DEFAULTS, name):
-            continue  # a generation parameter given as None is unset, as in `generate`
-        if name in REFUSED and value is not None:
+        if name == "disable_compile" or value is None and (name not in FIELDS or hasattr(GENERATION_DEFAULTS, name)):
+            continue  # None is transformers' "unset", for a generation parameter as in `generate`
+        if name in REFUSED:
             raise ValueError(f"{source} {name}={value!r} is not supported: {REFUSED[name]}.")
         if name in FIELDS or name == "do_sample":
             fields[name] = value

@@ -22,6 +22,7 @@ import torch
 
 from ..cache_keyword import cache_kwarg
 from ..config import ATTENTION_BACKENDS, BlockDiffusionConfig
+from ..config_checks import decoded_block_size
 from ..generation.hf_conventions import as_given
 from ..integrations.checkpoint import check_device
 from ..integrations.distributed import is_main_process, launch_size
@@ -174,7 +175,7 @@ def bench(args) -> dict:
     if model.config.model_type == LLADA2 and device.startswith("cuda") and not args.tensor_parallel:
         from .moe_timing import moe_against_dense
 
-        block = cfg.block_size or model.config.block_size  # the preset's yields to the checkpoint's
+        block = decoded_block_size(cfg, model_profile(model))  # the preset's yields to the checkpoint's
         report["moe"] = [moe_against_dense(model, n * block) for n in sorted({1, args.batch_size})]
     return report
 

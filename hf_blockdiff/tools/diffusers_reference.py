@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..config import BlockDiffusionConfig
-from ..config_checks import default_block_size
+from ..config_checks import decoded_block_size
 from ..profiles import model_profile
 
 
@@ -43,7 +43,7 @@ def llada2_pipeline(model, prompts: torch.Tensor, cfg: BlockDiffusionConfig, eos
     gen_length // minimal_topk itself (its minimal_topk is at least 1)."""
     import diffusers
 
-    block = cfg.block_size or default_block_size(cfg.preset, model_profile(model))
+    block = decoded_block_size(cfg, model_profile(model))
     adapter = BlockCausalAdapter(model, block)
     pipe = diffusers.LLaDA2Pipeline(model=adapter, scheduler=diffusers.BlockRefinementScheduler())
     pipe.set_progress_bar_config(disable=True)
