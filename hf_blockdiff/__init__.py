@@ -6,9 +6,12 @@ LLaDA, Dream, Fast-dLLM v2: `AutoModelForCausalLM.from_pretrained` loads them wi
 does the same for any other causal LM class.
 """
 
+import importlib.abc
+import sys
+
 from . import attention as _attention
 from .cache import PagedBlockCache
-from .config import BlockDiffusionConfig
+from .config import BlockDiffusionConfig, RuntimeOptions
 from .generation import BlockDiffusionOutput
 from . import patching as _patching
 from .patching import BlockDiffusionGenerationMixin, free_cache, patch_model
@@ -20,12 +23,36 @@ __all__ = [
     "BlockDiffusionGenerationMixin",
     "BlockDiffusionOutput",
     "PagedBlockCache",
+    "RuntimeOptions",
     "free_cache",
     "patch_model",
 ]
 
 _attention.register()
 _patching.patch_known_classes()
+
+# modules that moved (CHANGELOG.md, "Moved"): importing the old name fails with the new one
+MOVED = {"cache_keyword": "cache.keyword", "config_checks": "config.checks", "config_record": "config.record",
+         "experts_capture": "fusion.capture", "lora": "weights.lora", "presets": "config.presets",
+         "profiles": "config.profiles", "quantization": "weights.quantization", "scoring": "strategies.scoring",
+         "tensor_parallel": "weights.tensor_parallel", "generation.canvas": "canvas.loop",
+         "generation.fused_experts": "fusion.experts", "generation.fused_layers": "fusion.layers",
+         "generation.fusion": "fusion.mode", "model_patches.diffusion_gemma": "canvas.diffusion_gemma",
+         "model_patches.released_caches": "model_patches.released.caches",
+         "model_patches.released_calls": "model_patches.released.calls",
+         "model_patches.released_masks": "model_patches.released.masks", "scheduler.canvas": "canvas.schedule"}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        old = fullname.removeprefix(f"{__name__}.")
+        if old in MOVED:
+            raise ImportError(f"{fullname} moved to {__name__}.{MOVED[old]} (CHANGELOG.md, \"Moved\"): import "
+                                      "it from there", name=fullname)
+        return None
+
+
+sys.meta_path.insert(0, _MovedModules())
 
 
 def __getattr__(name: str):

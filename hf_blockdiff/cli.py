@@ -13,17 +13,18 @@ import sys
 from pathlib import Path
 
 from .assets import BUNDLED_MODELS, model_path
-from .config import ATTENTION_BACKENDS, FALLBACKS, BlockDiffusionConfig
+from .config import ATTENTION_BACKENDS, FALLBACKS, BlockDiffusionConfig, RuntimeOptions
 from .integrations.checkpoint import DTYPES, check_device, load_pretrained
 from .integrations.completions import encode
 from .integrations.distributed import generate_distributed, is_main_process
-from .config_checks import decoded_block_size
-from .presets import PRESETS
-from .profiles import ALIGNMENTS, ATTENTIONS, model_profile
+from .config.checks import decoded_block_size
+from .config.presets import PRESETS
+from .config.profiles import ALIGNMENTS, ATTENTIONS, model_profile
 from .strategies import strategy_names
 from .tools import bench, demo
 
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(BlockDiffusionConfig)}
+# flags of BlockDiffusionConfig's fields and of its runtime options (keywords of the config too)
+DEFAULTS = {f.name: f.default for cls in (BlockDiffusionConfig, RuntimeOptions) for f in dataclasses.fields(cls)}
 FROM_MODEL = "(default: the model's)"
 # as `generate`: a generation_config with do_sample=True decides the sampling flags left unset
 FROM_GENERATION_CONFIG = "(default: the model's generation_config where it samples, else {})"

@@ -13,7 +13,7 @@ import threading
 import weakref
 
 from .generation import generate_multi_block
-from .lora import over_adapters
+from .weights.lora import over_adapters
 
 STOCK_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM")
 _LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its lock (copies of it get their own)
@@ -102,7 +102,7 @@ def patch_known_classes() -> None:
         causal_lm.generate = diffusion_generate  # autoregressive decoding would be meaningless for these checkpoints
     diffusion_gemma = getattr(transformers, "DiffusionGemmaForBlockDiffusion", None)  # transformers ≥ 5.12
     if diffusion_gemma is not None and not hasattr(diffusion_gemma, "generate_multi_block"):
-        from .model_patches.diffusion_gemma import generate_multi_block as generate_canvases
+        from .canvas.diffusion_gemma import generate_multi_block as generate_canvases
 
         diffusion_gemma.generate_multi_block = serialized(generate_canvases)
 

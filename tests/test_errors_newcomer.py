@@ -164,7 +164,7 @@ def test_compile_on_the_cpu_decodes_without_triton_kernels(monkeypatch):
     the tokens are the eager ones."""
     from torch._dynamo.utils import counters
 
-    from hf_blockdiff.generation import fusion
+    from hf_blockdiff.fusion import mode as fusion
     from hf_blockdiff.integrations.checkpoint import load_pretrained
 
     model, tokenizer = load_pretrained(str(demo_model_path()))

@@ -1,10 +1,10 @@
-"""The experts kernel in decoding (generation/fused_experts.py): which modules take it, and the tokens they keep."""
+"""The experts kernel in decoding (fusion/experts.py): which modules take it, and the tokens they keep."""
 
 import torch
 
 from hf_blockdiff import BlockDiffusionConfig
-from hf_blockdiff.generation import fused_experts, fusion
-from hf_blockdiff.generation.fused_experts import fused_experts as experts_of
+from hf_blockdiff.fusion import experts as fused_experts, mode as fusion
+from hf_blockdiff.fusion.experts import fused_experts as experts_of
 
 from helpers import MASK, left_pad, random_prompts, tiny_model
 

@@ -1,4 +1,4 @@
-"""Stock MLPs and attentions with skinny-GEMM projections (`generation/fused_layers.py`): which modules are taken,
+"""Stock MLPs and attentions with skinny-GEMM projections (`fusion/layers.py`): which modules are taken,
 the same outputs as the stock forwards, and the decode loop's tokens unchanged when they run."""
 
 import warnings
@@ -8,12 +8,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_blockdiff import BlockDiffusionConfig, cache
+from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.cache import paged_cache as cache
 from hf_blockdiff.attention import resolve_backend
-from hf_blockdiff.cache_keyword import CACHE_KEYWORD, cache_kwarg
-from hf_blockdiff.generation import fused_layers
-from hf_blockdiff.generation.fusion import fully_fused, fusion_for
-from hf_blockdiff.generation.fused_layers import (
+from hf_blockdiff.cache.keyword import CACHE_KEYWORD, cache_kwarg
+from hf_blockdiff.fusion import layers as fused_layers
+from hf_blockdiff.fusion.mode import fully_fused, fusion_for
+from hf_blockdiff.fusion.layers import (
     fused_attention_forward, fused_forwards, fused_layer_forward, fused_mlp_forward,
     rotary_in_cache_attention_forward,
 )
@@ -166,7 +167,7 @@ def test_cuda_graph_steps_keep_the_tokens_gpu(compile_, monkeypatch):
     config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=16, threshold=0.6,
                                   eos_token_id=[], attention="block_causal", alignment="absolute", compile=compile_)
     fused = model.generate_multi_block(ids.cuda(), config, attention_mask=mask.cuda())
-    monkeypatch.setattr("hf_blockdiff.generation.fusion.fused_forwards", lambda model, **kinds: [])
+    monkeypatch.setattr("hf_blockdiff.fusion.mode.fused_forwards", lambda model, **kinds: [])
     assert torch.equal(fused, model.generate_multi_block(ids.cuda(), config, attention_mask=mask.cuda()))
 
 

@@ -225,8 +225,8 @@ def test_none_is_unset_as_in_generate_and_generates_named_arguments_at_their_def
         BlockDiffusionConfig(max_new_tokens=None)
     with pytest.raises(ValueError, match="synced_gpus=True: block-diffusion decoding does not support it"):
         merged_config(model, None, {"synced_gpus": True})
-    assert merged_config(model, None, {"disable_compile": True}).compile is False  # TRL passes it
-    assert merged_config(model, BlockDiffusionConfig(compile=True), {"disable_compile": True}).compile is False
+    assert merged_config(model, None, {"disable_compile": True}).runtime.compile is False  # TRL passes it
+    assert merged_config(model, BlockDiffusionConfig(compile=True), {"disable_compile": True}).runtime.compile is False
 
 
 def test_a_sampled_lm_eval_request_takes_the_checkpoints_then_transformers_sampling_defaults(sdar_chat):

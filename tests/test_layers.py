@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hf_blockdiff"
-MODEL_FREE = [PACKAGE / "strategies.py", *sorted((PACKAGE / "scheduler").glob("*.py"))]
+MODEL_FREE = [*sorted((PACKAGE / "strategies").glob("*.py")), *sorted((PACKAGE / "scheduler").glob("*.py")),
+              PACKAGE / "canvas" / "schedule.py"]
 
 
 def imported_names(path: Path) -> list[str]:

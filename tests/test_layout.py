@@ -54,3 +54,23 @@ def test_the_callback_stays_at_the_top():
     from hf_blockdiff.integrations.callbacks import BlockDiffusionEvalCallback
 
     assert hf_blockdiff.BlockDiffusionEvalCallback is BlockDiffusionEvalCallback
+
+
+def test_the_root_holds_the_entry_points_only():
+    """One folder per capability: the root keeps the public names, the command and the patching entry point."""
+    root = Path(hf_blockdiff.__file__).parent
+    assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py", "cli.py", "patching.py"]
+    assert {"canvas", "config", "fusion", "strategies", "weights"} <= modules(hf_blockdiff)
+    assert {"checkpoint", "calls", "caches", "masks"} <= modules(importlib.import_module(
+        "hf_blockdiff.model_patches.released"))
+
+
+@pytest.mark.parametrize("old", sorted(hf_blockdiff.MOVED))
+def test_a_moved_module_names_its_new_place(old):
+    new = f"hf_blockdiff.{hf_blockdiff.MOVED[old]}"
+    importlib.import_module(new)  # the new place exists
+    with pytest.raises(ImportError, match=f"hf_blockdiff.{old} moved to {new}"):
+        importlib.import_module(f"hf_blockdiff.{old}")
+    package, _, name = f"hf_blockdiff.{old}".rpartition(".")
+    with pytest.raises(ImportError, match=f"moved to {new}"):
+        exec(f"from {package} import {name}")

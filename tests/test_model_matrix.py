@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_blockdiff.profiles import profile_for
+from hf_blockdiff.config.profiles import profile_for
 from hf_blockdiff.tools import model_matrix
 from hf_blockdiff.tools.bench_models import SHAPES, shape_config
 

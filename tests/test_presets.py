@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_blockdiff import BlockDiffusionConfig
-from hf_blockdiff.profiles import ModelProfile
+from hf_blockdiff.config.profiles import ModelProfile
 from hf_blockdiff.tools.demo import DEMO_SEED, load_demo
 from hf_blockdiff.tools.tasks import is_correct, make_problems, solve
 from hf_blockdiff.generation.engine import request_seeds

@@ -13,7 +13,7 @@ from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.attention import resolve_backend
 from hf_blockdiff.cli import main
 from hf_blockdiff.generation.engine import use_graphs
-from hf_blockdiff.generation.fusion import fusion_for
+from hf_blockdiff.fusion.mode import fusion_for
 from helpers import MASK, left_pad, random_prompts, tiny_model
 from reference_loops import sdar_reference
 

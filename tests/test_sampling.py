@@ -3,7 +3,8 @@
 import torch
 
 from hf_blockdiff import BlockDiffusionConfig
-from hf_blockdiff.scoring import SamplingParams, score_logits, top_p_filter
+from hf_blockdiff.kernels.scoring import top_p_filter
+from hf_blockdiff.strategies.scoring import SamplingParams, score_logits
 
 from helpers import MASK, left_pad, random_prompts
 

@@ -7,7 +7,7 @@ from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.scheduler import Scheduler, geometry, window_policy
 from hf_blockdiff.scheduler.windows import (BlockCausal, DualCache, Editing, FullRecompute, MultiBlock,
                                             PrefixCache, StoreForward, SubBlocks)
-from hf_blockdiff.scoring import Scores
+from hf_blockdiff.strategies.scoring import Scores
 
 MASK, STOP = 99, 7
 BASE = dict(mask_token_id=MASK, block_size=4, max_new_tokens=8, attention="block_causal", alignment="absolute",

@@ -7,7 +7,7 @@ the window's K/V into the cache (`PagedBlockCache.update`, the only place K/V ar
 backend attend. Attentions whose steps between projecting and attending are the q/k RMSNorms and the rotary
 embedding may hand over q/k as projected with `blockdiff_rotary` (cos, sin, norm weights or None, eps): the cache
 applies those steps in the kernel that writes (`PagedBlockCache.update_rotary`,
-`generation/fused_layers.py`). Outside generation the model's own implementation is untouched.
+`fusion/layers.py`). Outside generation the model's own implementation is untouched.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ class FlashBackend(AttentionBackend):
         return plan
 
     def attend(self, query, key, value, cache, layer, plan, scaling, sliding=False):
-        if plan.key_start(sliding) is not None:  # refused before any forward (generation/canvas.py)
+        if plan.key_start(sliding) is not None:  # refused before any forward (canvas/loop.py)
             raise NotImplementedError("flash_attn reads no lower key limit; use attention_backend='triton'.")
         return flash.load().run(query.transpose(1, 2), cache.keys[layer], cache.values[layer], plan.key_lengths,
                                 plan.page_table, scaling)

@@ -8,6 +8,7 @@ buffers and any captured CUDA graphs are reused; `hf_blockdiff.free_cache(model)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -17,12 +18,12 @@ from transformers.utils import logging
 
 from ..attention import AttentionBackend
 from ..config import BlockDiffusionConfig
-from ..experts_capture import experts_capture_blocker
+from ..fusion.capture import experts_capture_blocker
 from ..kernels.rng import fmix32
-from ..quantization import traceable
+from ..weights.quantization import traceable
 from ..scheduler import Scheduler, geometry, window_policy
 from .executor import ModelExecutor
-from .fusion import fusion_for
+from ..fusion.mode import fusion_for
 from .graphs import StepGraphs
 from .pages import PageAssigner
 from .prefix_store import PrefixStore, weights_fingerprint
@@ -67,20 +68,20 @@ def kv_bytes_per_token(model) -> int:
 
 def use_graphs(cfg: BlockDiffusionConfig, backend: AttentionBackend, device: torch.device, model) -> bool:
     """Fixed-shape steps (CUDA graphs on CUDA): by default on CUDA with a backend whose plans need no host sync and
-    layers graphs can capture (not bitsandbytes', not experts that sync: `experts_capture`); never with a user's
+    layers graphs can capture (not bitsandbytes', not experts that sync: `fusion.capture`); never with a user's
     logits processor (arbitrary Python). Forced on for experts that sync: `ValueError` before any forward."""
     if cfg.logits_processor is not None:
         return False
-    blocker = experts_capture_blocker(model) if device.type == "cuda" and cfg.cuda_graphs is not False else None
-    if cfg.cuda_graphs and blocker:
+    blocker = experts_capture_blocker(model) if device.type == "cuda" and cfg.runtime.cuda_graphs is not False else None
+    if cfg.runtime.cuda_graphs and blocker:
         raise ValueError(f"BlockDiffusionConfig.cuda_graphs=True cannot capture this model: {blocker}; or pass "
                          "cuda_graphs=None to decode without graphs.")
-    if cfg.cuda_graphs is None:
+    if cfg.runtime.cuda_graphs is None:
         capturable = device.type == "cuda" and backend.graph_safe and traceable(model)
         if capturable and blocker:
             logger.warning_once(f"CUDA graphs are off for this model: {blocker}.")
         return capturable and blocker is None
-    return cfg.cuda_graphs
+    return cfg.runtime.cuda_graphs
 
 
 class Engine:
@@ -104,8 +105,8 @@ class Engine:
         self.decode_step = DecodeStep(self.scheduler, self.executor, graphs and device.type == "cuda"
                                       and fusion == "compile")
         guided = cfg.cfg_scale > 0  # the unconditional canvases mask the prompt: their prefix differs
-        if store is None and cfg.prefix_cache_tokens:
-            store = PrefixStore(self.executor.cache, cfg.block_size, cfg.prefix_cache_tokens)
+        if store is None and cfg.runtime.prefix_cache_tokens:
+            store = PrefixStore(self.executor.cache, cfg.block_size, cfg.runtime.prefix_cache_tokens)
         self.pages = PageAssigner(self.executor.cache, slots, guided, self.scheduler.policy.prefills and not guided,
                                   store, cfg.logit_shift)
         self.step = StepGraphs(self.decode_step, device.type == "cuda", fusion).step if graphs else self.decode_step
@@ -116,7 +117,10 @@ class Engine:
 
     def fits(self, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int,
              backend: AttentionBackend) -> bool:
-        return (cfg == self.cfg and backend.name == self.backend.name
+        """Whether this engine decodes `cfg` on `slots` rows: the same config (its max_batch_size aside: the slots
+        are checked apart), backend and room."""
+        batch = dataclasses.replace(cfg.runtime, max_batch_size=self.cfg.runtime.max_batch_size)
+        return (dataclasses.replace(cfg, runtime=batch) == self.cfg and backend.name == self.backend.name
                 and self.state.fits(slots, width, max_blocks))
 
     def generate(self, prompts: list[torch.Tensor], seeds: torch.Tensor, stream=None,
@@ -140,7 +144,7 @@ class Engine:
         requests = _Requests(prompts, seeds, list(range(len(prompts))) if groups is None else groups, first.tolist(),
                              row_end.tolist())
         self.scheduler.start_call()
-        self.pages.start_call(weights_fingerprint(self.executor.model) if cfg.prefix_cache_tokens else None)
+        self.pages.start_call(weights_fingerprint(self.executor.model) if cfg.runtime.prefix_cache_tokens else None)
         with _Progress(len(prompts), new) as progress:
             self._admit(list(range(state.num_rows)), queue, owner, requests)
             for _ in range(step_bound([len(p) for p in prompts], cfg)):
@@ -212,10 +216,11 @@ class Engine:
 def _kept_store(previous: Engine | None, cfg: BlockDiffusionConfig) -> PrefixStore | None:
     """The previous engine's prefix store, resized, if this config stores prefixes in units of the same size."""
     store = None if previous is None else previous.pages.store
-    if store is None or not cfg.prefix_cache_tokens or (previous.cfg.page_size, previous.cfg.block_size) != (
-            cfg.page_size, cfg.block_size):
+    if store is None or not cfg.runtime.prefix_cache_tokens or (
+            previous.cfg.runtime.page_size, previous.cfg.block_size) != (
+            cfg.runtime.page_size, cfg.block_size):
         return None
-    store.resize(cfg.prefix_cache_tokens)
+    store.resize(cfg.runtime.prefix_cache_tokens)
     return store
 
 
@@ -277,14 +282,14 @@ def _check_finite(nonfinite: list[int], owner: list[int]) -> None:
         raise nonfinite_error(prompt, f"at forward {forward}")
 
 
-def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], max_batch_size: int | None,
+def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor],
                backend: AttentionBackend, device: torch.device, samples: int = 1) -> Engine:
     """The model's cached engine if it fits this call, else a new one (sized to the KV-cache budget)."""
     width, max_blocks = plan_shapes([len(p) for p in prompts], cfg)
     engine = getattr(model, "_blockdiff_engine", None)
-    wanted = min(len(prompts), max_batch_size or len(prompts))
+    wanted = min(len(prompts), cfg.runtime.max_batch_size or len(prompts))
     slots, pool_tokens = _cache_plan(model, cfg, prompts, width, wanted, samples, engine, device)
-    if cfg.max_cache_tokens is None and engine is not None and slots < engine.state.num_rows <= wanted:
+    if cfg.runtime.max_cache_tokens is None and engine is not None and slots < engine.state.num_rows <= wanted:
         slots = engine.state.num_rows  # already allocated: a budget measured now misses what its buffers hold
     if engine is None or not engine.fits(cfg, slots, width, max_blocks, backend):
         model._blockdiff_engine = None  # let the old buffers go before allocating new ones
@@ -298,23 +303,23 @@ def _cache_plan(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], w
     """(slots, pool tokens) under the KV-cache budget (docs/architecture.md, "The cache"): every slot a canvas of `width`
     (twice with guidance), less the prefix pages the samples of a prompt share, plus a tail page per slot and the
     prefix store; the pool never exceeds the budget (prompts short of pages wait)."""
-    page, guided = cfg.page_size, cfg.cfg_scale > 0
+    page, guided, stored = cfg.runtime.page_size, cfg.cfg_scale > 0, cfg.runtime.prefix_cache_tokens
     canvas = math.ceil(width / page) * page * (2 if guided else 1)
-    unbounded = slots * (canvas + page) + cfg.prefix_cache_tokens
-    budget = cfg.max_cache_tokens
+    unbounded = slots * (canvas + page) + stored
+    budget = cfg.runtime.max_cache_tokens
     if budget is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         held = 0 if engine is None else engine.cache.num_pages * page * kv_bytes_per_token(model)
         budget = int(0.8 * (free + held)) // kv_bytes_per_token(model)
     if budget is None:
         return slots, unbounded
-    if canvas + cfg.prefix_cache_tokens > budget:
-        stored = f" beside the {cfg.prefix_cache_tokens} of prefix_cache_tokens" if cfg.prefix_cache_tokens else ""
-        raise ValueError(f"One prompt needs {canvas} KV-cache tokens{stored} but the cache holds {budget}: lower "
+    if canvas + stored > budget:
+        beside = f" beside the {stored} of prefix_cache_tokens" if stored else ""
+        raise ValueError(f"One prompt needs {canvas} KV-cache tokens{beside} but the cache holds {budget}: lower "
                          "max_new_tokens or prefix_cache_tokens, shorten the prompt or raise max_cache_tokens.")
     shared = 0
     if samples > 1 and not guided and window_policy(cfg).prefills:
         first, _, _ = geometry(torch.tensor([len(p) for p in prompts]), cfg)
         shared = int(first.min()) // page * page * (samples - 1) // samples  # per slot, on average
-    slots = min(slots, max(1, (budget - cfg.prefix_cache_tokens) // (canvas + page - shared)))
-    return slots, min(budget, slots * (canvas + page) + cfg.prefix_cache_tokens)
+    slots = min(slots, max(1, (budget - stored) // (canvas + page - shared)))
+    return slots, min(budget, slots * (canvas + page) + stored)

@@ -14,8 +14,8 @@ from ..cache import PagedBlockCache
 from ..config import BlockDiffusionConfig
 from ..scheduler import ForwardLayout, ScoreRequest, Stored
 from ..scheduler.chunks import Chunks
-from ..scoring import SamplingParams, Scores, logit_salience, penalize_preceding, score_logits
-from .fusion import decoding_mode, few_tokens
+from ..strategies.scoring import SamplingParams, Scores, logit_salience, penalize_preceding, score_logits
+from ..fusion.mode import decoding_mode, few_tokens
 
 
 class ModelExecutor:
@@ -31,7 +31,7 @@ class ModelExecutor:
         # through cuBLAS, but the activation would then run unfused
         self.skinny = fusion != "none" and few_tokens(cfg, rows)
         layers = model.config.get_text_config().num_hidden_layers
-        self.cache = cache if cache is not None else PagedBlockCache(layers, cfg.page_size)
+        self.cache = cache if cache is not None else PagedBlockCache(layers, cfg.runtime.page_size)
         self.cache.start(2 * rows if self.guided else rows, width, pool_tokens, device)
         hidden = model.config.get_text_config().hidden_size
         # logit shift: the hidden state before a slot's first undecided position, kept from the forward that stored it
@@ -78,9 +78,9 @@ class ModelExecutor:
             scores.salience = logit_salience(logits)
         return scores
 
-    def first_token_scores(self, rows: torch.Tensor, canvas: torch.Tensor | None):
-        """Fast-dLLM v2's greedy pick from the carried hidden states: (token, log-probability, entropy) per row;
-        `canvas`: the decided canvases when a repetition penalty or logits processor reads them."""
+    def greedy_scores(self, rows: torch.Tensor, canvas: torch.Tensor | None):
+        """The greedy pick from the carried hidden states (a storing forward's decision): (token, log-probability,
+        entropy) per row; `canvas`: the decided canvases when a repetition penalty or logits processor reads them."""
         logits = self.logits(None if canvas is None else canvas[rows], self.carry, None).float()
         logits[:, self.cfg.mask_token_id] = float("-inf")
         logp = torch.log_softmax(logits, -1)

@@ -10,10 +10,10 @@ from transformers.utils import ModelOutput
 
 from ..attention import resolve_backend
 from ..config import BlockDiffusionConfig
-from ..config_checks import check_block_config
-from ..profiles import model_profile
-from ..quantization import check_quantization
-from ..tensor_parallel import check_tensor_parallel
+from ..config.checks import check_block_config
+from ..config.profiles import model_profile
+from ..weights.quantization import check_quantization
+from ..weights.tensor_parallel import check_tensor_parallel
 from ..scheduler import DecodeState
 from .engine import Results, engine_for, request_seeds
 from .hf_conventions import call_arguments, merged_config
@@ -50,7 +50,6 @@ def generate_multi_block(
     streamer=None,
     generator: torch.Generator | None = None,
     return_dict: bool = False,
-    max_batch_size: int | None = None,
     **kwargs,
 ):
     """Block-diffusion decoding of `input_ids` (left-padded [B, P]); see `BlockDiffusionConfig`. Returns a
@@ -63,7 +62,8 @@ def generate_multi_block(
     > defaults and the model profile (docs/architecture.md, "Calling conventions").
     `attention_mask`: the tokenizer's, for a padded batch; without it leading pad ids are padding, as in `generate`
     (unless the pad id is also a stop or mask id: a warning says so). Calls from several threads run in turn.
-    `max_batch_size`: prompts decoding at once, finished ones replaced by waiting ones. `num_return_sequences=n`:
+    Runtime options (`max_batch_size`, `attention_backend`, `compile`, ...: `RuntimeOptions`) are keywords too.
+    `num_return_sequences=n`:
     every prompt n times (rows prompt-major, each its own seed: the tokens of `input_ids.repeat_interleave(n, 0)`),
     the samples sharing their prompt's K/V pages (docs/architecture.md, "The cache"). PEFT: the active LoRA adapters
     are merged for the call and the base weights restored bit-exactly; `adapters=[name, ...]` decodes once per
@@ -79,12 +79,10 @@ def generate_multi_block(
     device = input_ids.device
     check_call(cfg, device, generator, streamer)
     check_lengths(self, prompts, cfg)
-    if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
-        raise ValueError(f"max_batch_size={max_batch_size!r}: pass a positive integer (or None for all prompts).")
     samples = _check_samples(call["num_return_sequences"], streamer)
     check_quantization(self)
     check_tensor_parallel(self)
-    backend = resolve_backend(cfg.attention_backend, device, cfg.block_size, cfg.page_size)
+    backend = resolve_backend(cfg.runtime.attention_backend, device, cfg.block_size, cfg.runtime.page_size)
     stream = _TokenStream(streamer, input_ids, cfg) if streamer is not None else None
     groups = [group for group in range(len(prompts)) for _ in range(samples)]
     prompts = [prompts[group] for group in groups]
@@ -92,7 +90,7 @@ def generate_multi_block(
     was_training = self.training
     self.eval()
     try:
-        engine = engine_for(self, cfg, prompts, max_batch_size, backend, device, samples)
+        engine = engine_for(self, cfg, prompts, backend, device, samples)
         results = engine.generate(prompts, seeds, stream, groups)
     finally:
         self.train(was_training)

@@ -12,12 +12,13 @@ from transformers import GenerationConfig
 from transformers.utils import logging
 
 from ..config import BlockDiffusionConfig
-from ..presets import PRESETS, preset_pins
+from ..config.presets import PRESETS, preset_pins
+from ..config.runtime import RUNTIME_FIELDS
 
 logger = logging.get_logger(__name__)
 
-CALL_ARGUMENTS = ("attention_mask", "streamer", "generator", "return_dict", "max_batch_size", "num_return_sequences",
-                  "adapters", "return_dict_in_generate", "tokenizer")
+CALL_ARGUMENTS = ("attention_mask", "streamer", "generator", "return_dict", "num_return_sequences", "adapters",
+                  "return_dict_in_generate", "tokenizer")
 CONFIG_CALL_ARGUMENTS = ("num_return_sequences", "return_dict_in_generate")  # call arguments a GenerationConfig sets
 CHECKPOINT_FIELDS = ("max_new_tokens", "repetition_penalty")  # taken from the checkpoint whether or not it samples
 SAMPLING = ("temperature", "top_k", "top_p")
@@ -29,7 +30,7 @@ GENERATE_ARGUMENTS = ("synced_gpus", "assistant_model", "assistant_tokenizer", "
                       "use_model_defaults", "custom_generate", "disable_compile")
 REFUSED = dict(max_length="pass max_new_tokens (block diffusion generates a fixed number of new tokens)",
                stop_strings="block diffusion stops at token ids only: pass eos_token_id, or cut the decoded text")
-FIELDS = tuple(field.name for field in dataclasses.fields(BlockDiffusionConfig))
+FIELDS = (*(field.name for field in dataclasses.fields(BlockDiffusionConfig)), *RUNTIME_FIELDS)  # runtime's flat
 GENERATION_DEFAULTS = GenerationConfig()
 
 

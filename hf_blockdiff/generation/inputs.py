@@ -10,7 +10,7 @@ import torch
 from transformers.utils import logging
 
 from ..config import BlockDiffusionConfig
-from ..config_checks import fail
+from ..config.checks import fail
 from ..kernels import TRITON_AVAILABLE
 from .engine import plan_shapes
 
@@ -94,7 +94,7 @@ def check_call(cfg: BlockDiffusionConfig, device: torch.device, generator, strea
         raise TypeError(f"streamer ({type(streamer).__name__}) has no {' and no '.join(missing)} method: pass a "
                         "transformers streamer (a BaseStreamer such as TextStreamer) or an object with put(token_ids) "
                         "and end() methods.")
-    if cfg.compile:
+    if cfg.runtime.compile:
         _check_compiler(device)
 
 

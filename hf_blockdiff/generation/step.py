@@ -3,7 +3,7 @@
     status, layout = scheduler.plan()          which tokens run, where their keys are
     hidden  = executor.forward(layout)         the HF forward over the paged cache
     stored  = scheduler.stored(...)            what that forward committed ...
-              executor.commit(stored, ...)     ... advances the cache (and Fast-dLLM v2 decides a first token)
+              executor.commit(stored, ...)     ... advances the cache (and a mode may decide from it)
     request = scheduler.score_request(...)     the undecided positions of the active blocks
     scores  = executor.score(request, ...)     LM head, guidance, processors, proposal/confidence/entropy
     scheduler.conclude(request, status, scores)  flags slots whose scores are inf/nan (the call then fails), writes
@@ -71,7 +71,7 @@ class DecodeStep:
             hidden = executor.forward(layout)[0] if layout is not None else None
             executor.commit(stored, None if layout is None else layout.chunks, hidden)
             self._share_prefixes(admissions)
-            self._first_token(stored)
+            self._decide_on_store(stored)
         loaded = torch.zeros_like(scheduler.state.done)
         loaded[slots] = True
         scheduler.prepare(loaded)
@@ -93,11 +93,12 @@ class DecodeStep:
         if stored is None:
             return
         self.executor.commit(stored, layout.chunks, hidden)
-        self._first_token(stored)
+        self._decide_on_store(stored)
 
-    def _first_token(self, stored: Stored) -> None:
-        """Fast-dLLM v2: the forward storing a block also decides the next block's first token."""
-        if self.scheduler.policy.first_token_on_store:
-            rows, position, open_ = self.scheduler.first_token_request(stored)
-            token, logprob, entropy = self.executor.first_token_scores(rows, self.scheduler.context())
-            self.scheduler.apply(Decision(rows, position, token, logprob, entropy, open_))
+    def _decide_on_store(self, stored: Stored) -> None:
+        """Positions the mode decides from the forward that stored blocks (Fast-dLLM v2's first token of the next
+        block: `WindowPolicy.store_decision`), greedily from the stored prefix's last hidden state."""
+        decision = self.scheduler.store_decision(stored)
+        if decision is not None:
+            token, logprob, entropy = self.executor.greedy_scores(decision.rows, self.scheduler.context())
+            self.scheduler.apply(Decision(decision.rows, decision.position, token, logprob, entropy, decision.open))

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import BlockDiffusionConfig
-from ..tensor_parallel import tensor_parallel_size
+from ..weights.tensor_parallel import tensor_parallel_size
 from .completions import Completions, complete
 
 

@@ -109,7 +109,7 @@ if TRITON_AVAILABLE:
         """Per lane (no reduction across lanes): the new running max and Σ e^(z − max), one exponential per value
         (e^(m − z) rescales the sum when z is the new max, else e^(z − m) is the new term); also z − m, that
         exponential and whether z is the new max. m starts finite (-1e30), so past the vocabulary (z = -inf) e is 0;
-        a nan value makes the lane's sum nan, so the row's entropy shows it (scheduler.canvas stops the call)."""
+        a nan value makes the lane's sum nan, so the row's entropy shows it (canvas.schedule stops the call)."""
         d = z - m
         e = tl.exp(-tl.abs(d))
         up = z > m

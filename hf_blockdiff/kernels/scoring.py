@@ -26,6 +26,17 @@ def top_k_filter(z, top_k):
     return z.masked_fill(z < kth, float("-inf"))
 
 
+def top_p_filter(z: torch.Tensor, top_p: float) -> torch.Tensor:
+    """transformers' TopPLogitsWarper: keep the smallest set of most likely tokens whose probability reaches
+    `top_p`, and always the most likely one."""
+    sorted_z, order = torch.sort(z, dim=-1, descending=False)
+    cumulative = torch.softmax(sorted_z, dim=-1).cumsum(-1)
+    drop_sorted = cumulative <= 1 - top_p
+    drop_sorted[:, -1] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return z.masked_fill(drop, float("-inf"))
+
+
 def distribution_scores(z, proposal):
     """Confidence, entropy, margin and log-prob of `proposal` under softmax(z), in z's dtype."""
     logp = torch.log_softmax(z, dim=1)

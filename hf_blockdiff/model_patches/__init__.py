@@ -13,7 +13,7 @@ from __future__ import annotations
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from . import dream, fast_dllm, llada, llada2, sdar, sdar_moe
-from ..profiles import ModelProfile, profile_for, register_profile, registered_model_types
+from ..config.profiles import ModelProfile, profile_for, register_profile, registered_model_types
 
 # (config, AutoModel class, AutoModelForCausalLM class, profile)
 FAMILIES = (

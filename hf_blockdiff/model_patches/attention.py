@@ -5,9 +5,9 @@ boolean mask for sdpa, a float mask for eager, a `BlockMask` for flex) and respe
 cache. They are always materialized: a skipped (`None`) mask would make sdpa fall back to `is_causal`, and the stock
 decoder forwards would rebuild a causal mask from it. An attention implementation without a mask function (such as
 the one the decode loop registers) gets `None` and applies its own rule. A `dict` passed as `attention_mask` is a mask
-mapping prepared by the caller and is used as is; a 3-D or 4-D one is an explicit mask (`released_masks.py`).
+mapping prepared by the caller and is used as is; a 3-D or 4-D one is an explicit mask (`released/masks.py`).
 
-The decoders also take the cache keywords of their family's released generate scripts (`released_calls.py`).
+The decoders also take the cache keywords of their family's released generate scripts (`released/calls.py`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from transformers.masking_utils import create_bidirectional_mask, create_causal_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from ..cache_keyword import cache_kwarg, kv_cache_argument
-from .released_calls import plain_call
-from .released_masks import explicit_attention_mask, is_explicit_mask
+from ..cache.keyword import cache_kwarg, kv_cache_argument
+from .released.calls import plain_call
+from .released.masks import explicit_attention_mask, is_explicit_mask
 
 
 def block_causal_overlay(block_size: int):

@@ -9,7 +9,7 @@ config's `architectures` and `auto_map["AutoModel"]` name; there is no `AutoMode
 Released call forms: `generation_utils.py` calls `model(x, "full", tok_idx)` (no mask, default positions when
 `tok_idx` is None) or `model(x, mask, tok_idx)` with a boolean [b, 1, n, n] mask and per-row positions; Fast-dLLM
 v1's `generation_utils_block.py` adds `use_cache=True`, cache tuples [batch, length, width] sliced to a prefix, and
-`dual_cache=True` with `replace_position` (`released_calls.py`). Any other string mask is refused.
+`dual_cache=True` with `replace_position` (`released/calls.py`). Any other string mask is refused.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from huggingface_hub.dataclasses import strict
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
 from .attention import BidirectionalDecoder
-from ..profiles import ModelProfile
-from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
-from .released_calls import dream_call
+from ..config.profiles import ModelProfile
+from .released.checkpoint import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
+from .released.calls import dream_call
 
 PROFILE = ModelProfile(
     mask_token_id=151666, attention="bidirectional", alignment="prompt_end", logit_shift=True,

@@ -7,7 +7,7 @@ tokens attend to each other fully. Our `Fast_dLLM_QwenModel` applies the same bl
 (keeping a padding mask if one is given). Its generation reads token i from position i-1 (logit shift).
 
 The cache keywords of its `generation_functions.py` (`update_past_key_values`, `use_block_cache`,
-`block_past_key_values`, `replace_position`, `block_size`) are accepted (`released_calls.py`); the causal LM returns
+`block_past_key_values`, `replace_position`, `block_size`) are accepted (`released/calls.py`); the causal LM returns
 `block_past_key_values` beside `past_key_values` when a block cache is in use, as the released one does, and has the
 released model's `sample_with_top_p`, which that script calls on the model.
 """
@@ -19,9 +19,9 @@ from huggingface_hub.dataclasses import strict
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
 from .attention import BlockCausalDecoder
-from ..profiles import ModelProfile
-from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
-from .released_calls import BlockCacheCausalLMOutput, block_cache_for, fast_dllm_v2_call
+from ..config.profiles import ModelProfile
+from .released.checkpoint import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
+from .released.calls import BlockCacheCausalLMOutput, block_cache_for, fast_dllm_v2_call
 
 PROFILE = ModelProfile(
     mask_token_id=151665, attention="block_causal", alignment="absolute", logit_shift=True,

@@ -12,7 +12,7 @@ stock Llama, so the decode loop's attention function and cache plug in.
 
 Released call forms: LLaDA's `generate.py` loads the model with `AutoModel` (its `auto_map` names the LM there) and
 calls `model(x, attention_mask=padding).logits`; Fast-dLLM v1's `generate.py` adds `use_cache=True`, cache tuples
-sliced to a prefix and passed back, and `replace_position` for its dual cache (`released_calls.py`).
+sliced to a prefix and passed back, and `replace_position` for its dual cache (`released/calls.py`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from .attention import attend, bidirectional_mask, forward_mask
-from ..cache_keyword import CACHE_KEYWORD, cache_kwarg, kv_cache_argument
-from ..profiles import ModelProfile
-from .released import CompleteCheckpoint, ReleasedConfig
-from .released_calls import dual_cache_call
+from ..cache.keyword import CACHE_KEYWORD, cache_kwarg, kv_cache_argument
+from ..config.profiles import ModelProfile
+from .released.checkpoint import CompleteCheckpoint, ReleasedConfig
+from .released.calls import dual_cache_call
 
 PROFILE = ModelProfile(
     mask_token_id=126336, attention="bidirectional", alignment="prompt_end", logit_shift=False, block_size=32,

@@ -29,11 +29,11 @@ from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeForCausalLM, 
                                                             apply_rotary_pos_emb)
 
 from .attention import attend, block_causal_mask
-from ..cache_keyword import cache_kwarg, kv_cache_argument
+from ..cache.keyword import cache_kwarg, kv_cache_argument
 from .experts import ReleasedExperts
 from .llada import rope_angles
-from ..profiles import ModelProfile
-from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
+from ..config.profiles import ModelProfile
+from .released.checkpoint import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
 
 PROFILE = ModelProfile(
     mask_token_id=156895, attention="block_causal", alignment="absolute", logit_shift=False,

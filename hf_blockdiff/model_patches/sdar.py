@@ -5,7 +5,7 @@ attention: in training a flex mask over `[noisy | clean]` copies of the sequence
 passes (its `generate.py` passes the block-causal staircase over blocks of `block_size`, prompt included), and no mask
 at all raises. Our plain forward applies that staircase itself, so `model(input_ids)` returns the logits SDAR's
 reference prefill and denoising steps see; `generate.py`'s own calls (its float 0/1 [1, q, k] mask, `store_kv`) are
-accepted as well (`released_masks.py`, `released_calls.py`).
+accepted as well (`released/masks.py`, `released/calls.py`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from huggingface_hub.dataclasses import strict
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from .attention import BlockCausalDecoder
-from ..profiles import ModelProfile
-from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
-from .released_calls import sdar_call
+from ..config.profiles import ModelProfile
+from .released.checkpoint import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
+from .released.calls import sdar_call
 
 PROFILE = ModelProfile(
     mask_token_id=151669, attention="block_causal", alignment="absolute", logit_shift=False,

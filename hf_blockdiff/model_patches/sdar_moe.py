@@ -14,8 +14,8 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeModel
 
 from .attention import BlockCausalDecoder
 from .experts import ReleasedExperts
-from .released import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
-from .released_calls import sdar_call
+from .released.checkpoint import CompleteCheckpoint, OwnDecoderLM, ReleasedConfig
+from .released.calls import sdar_call
 
 
 @strict

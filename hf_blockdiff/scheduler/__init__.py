@@ -4,7 +4,7 @@
 from .chunks import Chunks, plan_chunks
 from .scheduler import ActiveBlocks, ForwardLayout, Scheduler, ScoreRequest
 from .state import BlockStatus, DecodeState, Decision, geometry
-from .windows import Stored, window_policy
+from .windows import StoreDecision, Stored, WindowPolicy, window_policy
 
 __all__ = ["ActiveBlocks", "BlockStatus", "Chunks", "DecodeState", "Decision", "ForwardLayout", "Scheduler",
-           "ScoreRequest", "Stored", "geometry", "plan_chunks", "window_policy"]
+           "ScoreRequest", "StoreDecision", "Stored", "WindowPolicy", "geometry", "plan_chunks", "window_policy"]

@@ -16,11 +16,11 @@ import torch
 
 from ..config import BlockDiffusionConfig
 from ..kernels.rng import uniform_noise
-from ..scoring import Scores
+from ..strategies.scoring import Scores
 from ..strategies import STRATEGIES, BlockScores, StrategyParams
 from .chunks import Chunks, plan_chunks
 from .state import BlockStatus, DecodeState, Decision
-from .windows import Stored, window_policy
+from .windows import StoreDecision, Stored, window_policy
 
 
 @dataclass
@@ -174,14 +174,9 @@ class Scheduler:
             self.state.mark_stored(stored.blocks)
         return stored
 
-    def first_token_request(self, stored: Stored) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fast-dLLM v2: (rows, position, open) of the first position after each slot's stored prefix, which the
-        storing forward decides when it is still undecided."""
-        state = self.state
-        rows = torch.arange(state.num_rows, device=stored.has.device)
-        position = stored.length.clamp(max=state.width)
-        open_ = stored.has & (position < state.row_end) & (state.canvas[rows, position] == self.cfg.mask_token_id)
-        return rows, position, open_
+    def store_decision(self, stored: Stored) -> StoreDecision | None:
+        """Positions the forward that stored blocks decides (the mode's `store_decision`)."""
+        return self.policy.store_decision(self.state, stored)
 
     def score_request(self, status: BlockStatus, capacity: int | None) -> ScoreRequest:
         """The undecided (and, with editing, editable) positions of the active blocks, `capacity` of them (None:

@@ -13,15 +13,17 @@ bound that lets small CUDA-graph steps chain). Everything is tensor ops on fixed
     MultiBlock      exact cache, several active blocks (d3LLM): windows have no bound
     StoreForward    exact cache, a forward of its own stores each finished block (SDAR's reference count)
     SubBlocks       Fast-dLLM v2: store forwards, sub-block by sub-block, the storing forward decides the next
-                    block's first token
+                    block's first token (`store_decision`)
     Editing         LLaDA2.1 and Diffulex's edit/DMax: BlockCausal whose active block's decided tokens may be
                     edited or remasked, and which keeps refining after its last mask is filled
 
-A new mode is a subclass here, chosen in `window_policy`, and a test against a plain reference loop.
+A new mode is a `WindowPolicy` subclass here (its docstring lists what a mode defines), chosen in `window_policy`,
+and a test against a plain reference loop.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -42,39 +44,46 @@ class Stored:
     blocks: torch.Tensor  # [R]
 
 
-class FullRecompute:
-    prefills = False  # nothing before the first decode block is cached
-    first_token_on_store = False  # the storing forward also decides the next block's first token
+@dataclass
+class StoreDecision:
+    """Positions a storing forward decides: `position` of each slot in `rows`, where `open` (undecided)."""
+
+    rows: torch.Tensor  # [R]
+    position: torch.Tensor  # [R]
+    open: torch.Tensor  # [R] bool
+
+
+class WindowPolicy(ABC):
+    """The base of a decoding mode. A new mode defines which span of the canvas each forward runs (`spans`), which
+    keys each query sees (`key_limits`), which finished blocks a forward stores (`store_count`) and what it committed
+    (`stored`); it may narrow which positions a step commits (`candidates`, `decoding`), let it edit decided ones
+    (`editable`), say when a slot is finished or stopped (`finished`, `stopped`, `settled`), bound its window for
+    CUDA graphs (`chunk_bound`), and decide positions from the logits of a storing forward (`store_decision`)."""
+
+    prefills = False  # whether what precedes the first decode block is cached by a prefill
 
     def __init__(self, cfg: BlockDiffusionConfig):
         self.cfg = cfg
 
+    @abstractmethod
     def key_limits(self, state: DecodeState, chunks: Chunks) -> torch.Tensor:
-        """Per-query key limits of the chunks (0 for padding): the whole canvas."""
-        limit = state.row_end[chunks.rows][:, None].expand_as(chunks.positions)
-        return torch.where(chunks.valid, limit, 0)
+        """Per-query key limits of the chunks (0 for padding)."""
 
+    @abstractmethod
     def store_count(self, state: DecodeState, status: BlockStatus) -> torch.Tensor:
         """[R] finished blocks the next forward stores."""
-        return torch.zeros_like(state.added)
+
+    @abstractmethod
+    def spans(self, state: DecodeState, status: BlockStatus, active: torch.Tensor, store: torch.Tensor):
+        """Each slot's window [start, end); empty for slots with nothing to do."""
+
+    @abstractmethod
+    def stored(self, state: DecodeState, chunks: Chunks, store: torch.Tensor) -> Stored | None:
+        """What the forward over `chunks` committed to the cache (None: nothing)."""
 
     def decoding(self, active: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
         """The active blocks ([R, NB] bool) the next forward decides."""
         return active
-
-    def spans(self, state: DecodeState, status: BlockStatus, active: torch.Tensor, store: torch.Tensor):
-        """Each slot's window [start, end); empty for slots with nothing to do."""
-        rows = torch.arange(state.num_rows, device=active.device)
-        start, end = self.span(state, rows)
-        work = active.any(-1) & ~state.done
-        return start, torch.where(work, end, start)
-
-    def span(self, state: DecodeState, rows: torch.Tensor):
-        return torch.zeros_like(rows), state.row_end
-
-    def stored(self, state: DecodeState, chunks: Chunks, store: torch.Tensor) -> Stored | None:
-        """What the forward over `chunks` committed to the cache (None: nothing)."""
-        return None
 
     def candidates(self, candidates: torch.Tensor) -> torch.Tensor:
         """Undecided positions ([R, K, B]) of the active blocks that the strategy may commit this step."""
@@ -103,6 +112,35 @@ class FullRecompute:
         """The most chunks one slot's window needs in any step, where the mode bounds it."""
         return None
 
+    def store_decision(self, state: DecodeState, stored: Stored) -> StoreDecision | None:
+        """Positions the forward that stored blocks decides greedily from the stored prefix's last hidden state
+        (None: the mode decides nothing there)."""
+        return None
+
+
+class FullRecompute(WindowPolicy):
+    """Bidirectional models: the whole canvas every step, nothing cached."""
+
+    def key_limits(self, state: DecodeState, chunks: Chunks) -> torch.Tensor:
+        """The whole canvas."""
+        limit = state.row_end[chunks.rows][:, None].expand_as(chunks.positions)
+        return torch.where(chunks.valid, limit, 0)
+
+    def store_count(self, state: DecodeState, status: BlockStatus) -> torch.Tensor:
+        return torch.zeros_like(state.added)
+
+    def spans(self, state: DecodeState, status: BlockStatus, active: torch.Tensor, store: torch.Tensor):
+        rows = torch.arange(state.num_rows, device=active.device)
+        start, end = self.span(state, rows)
+        work = active.any(-1) & ~state.done
+        return start, torch.where(work, end, start)
+
+    def span(self, state: DecodeState, rows: torch.Tensor):
+        return torch.zeros_like(rows), state.row_end
+
+    def stored(self, state: DecodeState, chunks: Chunks, store: torch.Tensor) -> Stored | None:
+        return None
+
 
 class PrefixCache(FullRecompute):
     def span(self, state: DecodeState, rows: torch.Tensor):
@@ -125,7 +163,7 @@ class DualCache(PrefixCache):
         return torch.where(fresh, state.row_end, state.block_end(rows, block))
 
 
-class BlockCausal(FullRecompute):
+class BlockCausal(WindowPolicy):
     prefills = True
 
     def key_limits(self, state: DecodeState, chunks: Chunks) -> torch.Tensor:
@@ -194,7 +232,6 @@ class StoreForward(BlockCausal):
 class SubBlocks(StoreForward):
     def __init__(self, cfg: BlockDiffusionConfig):
         super().__init__(cfg)
-        self.first_token_on_store = cfg.first_token_on_store
         self.sub_block_size = cfg.sub_block_size or cfg.block_size
 
     def candidates(self, candidates: torch.Tensor) -> torch.Tensor:
@@ -203,6 +240,17 @@ class SubBlocks(StoreForward):
         has_mask = candidates.view(*shape[:2], shape[2] // sub, sub).any(-1)
         first = has_mask.int().argmax(-1, keepdim=True)
         return candidates & (torch.arange(shape[2], device=candidates.device) // sub == first)
+
+
+    def store_decision(self, state: DecodeState, stored: Stored) -> StoreDecision | None:
+        """With `first_token_on_store` (Fast-dLLM v2) the storing forward decides the first position after each
+        slot's stored prefix, where it is still undecided."""
+        if not self.cfg.first_token_on_store:
+            return None
+        rows = torch.arange(state.num_rows, device=stored.has.device)
+        position = stored.length.clamp(max=state.width)
+        open_ = stored.has & (position < state.row_end) & (state.canvas[rows, position] == self.cfg.mask_token_id)
+        return StoreDecision(rows, position, open_)
 
 
 class Editing(BlockCausal):
@@ -258,7 +306,7 @@ class Editing(BlockCausal):
         return has_stop & state.wrote_stop(hits) & state.decided_before(first)
 
 
-def window_policy(cfg: BlockDiffusionConfig) -> FullRecompute:
+def window_policy(cfg: BlockDiffusionConfig) -> WindowPolicy:
     """The policy of a resolved config."""
     if cfg.attention == "bidirectional":
         return {"none": FullRecompute, "prefix": PrefixCache, "dual": DualCache}[cfg.approx_cache](cfg)

@@ -20,14 +20,14 @@ import sys
 
 import torch
 
-from ..cache_keyword import cache_kwarg
+from ..cache.keyword import cache_kwarg
 from ..config import ATTENTION_BACKENDS, BlockDiffusionConfig
-from ..config_checks import decoded_block_size
+from ..config.checks import decoded_block_size
 from ..generation.hf_conventions import as_given
 from ..integrations.checkpoint import check_device
 from ..integrations.distributed import is_main_process, launch_size
 from ..patching import free_cache
-from ..profiles import model_profile
+from ..config.profiles import model_profile
 from ..strategies import strategy_names
 from .bench_models import LLADA2, SHAPES, build_model
 from .measure import make_report, measure, recompile_limits_hit

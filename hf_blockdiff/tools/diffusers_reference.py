@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ..config import BlockDiffusionConfig
-from ..config_checks import decoded_block_size
-from ..profiles import model_profile
+from ..config.checks import decoded_block_size
+from ..config.profiles import model_profile
 
 
 class BlockCausalAdapter(nn.Module):

@@ -25,7 +25,7 @@ import torch
 from ..config import BlockDiffusionConfig
 from ..generation.hf_conventions import as_given
 from ..patching import free_cache
-from ..profiles import model_profile
+from ..config.profiles import model_profile
 from .bench_models import SHAPES, build_model
 from .measure import measure, recompile_limits_hit
 

@@ -24,7 +24,7 @@ def rollout_runs(args, model, cfg: BlockDiffusionConfig, prompts: torch.Tensor) 
     n = args.num_return_sequences
     shared = cfg
     if args.shared_prefix:
-        unit = math.lcm(cfg.page_size, cfg.block_size)
+        unit = math.lcm(cfg.runtime.page_size, cfg.block_size)
         shared = cfg.replace(prefix_cache_tokens=-(-args.shared_prefix // unit) * unit)
     repeated = prompts.repeat_interleave(n, 0)
 

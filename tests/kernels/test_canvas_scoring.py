@@ -71,7 +71,7 @@ def test_default_launch_over_a_vocabulary_of_several_chunks(block_v, device, ass
 
 def test_rows_of_nan_give_token_zero_and_nonfinite_entropy(device):
     """A NaN row samples and argmaxes token 0, never an id past the vocabulary (the next step embeds it); its
-    entropy is NaN, which stops the call (scheduler.canvas.CanvasState.status)."""
+    entropy is NaN, which stops the call (canvas.schedule.CanvasState.status)."""
     logits, seeds, counters = step_inputs(2, 1003, torch.float32, device, seed=4)
     logits[0] = float("nan")
     out = canvas_score_triton(logits, 30.0, torch.tensor(0.7, device=device), seeds, counters, torch.float32,

@@ -11,10 +11,10 @@ import torch
 
 from diffusion_gemma_models import CANVAS, VOCAB, WINDOW, ours, prompts, reference, settings, tiny_diffusion_gemma
 
-import hf_blockdiff.scheduler.canvas as canvas_module
+import hf_blockdiff.canvas.schedule as canvas_module
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.generation.engine import request_seeds
-from hf_blockdiff.scheduler.canvas import CanvasRules
+from hf_blockdiff.canvas.schedule import CanvasRules
 
 
 @pytest.fixture(scope="module", params=["mixed_moe", "single_expert"])

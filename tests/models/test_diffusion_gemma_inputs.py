@@ -10,7 +10,7 @@ from diffusion_gemma_models import CANVAS, VOCAB, prompts, settings, tiny_diffus
 
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.kernels.rng import uniform_tokens
-from hf_blockdiff.scheduler.canvas import CanvasRules, CounterNoise
+from hf_blockdiff.canvas.schedule import CanvasRules, CounterNoise
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,9 @@ def test_invalid_canvas_settings_name_the_field(make_config, field):
     (lambda m, ids: m.generate_multi_block(ids, BlockDiffusionConfig(attention_backend="flash_attn")), "triton"),
     (lambda m, ids: m.generate_multi_block(ids, BlockDiffusionConfig(noise="torch", cuda_graphs=True)), "noise"),
     (lambda m, ids: m.generate_multi_block(ids, BlockDiffusionConfig(max_new_tokens=1024)), "max_position"),
+    (lambda m, ids: m.generate_multi_block(ids, BlockDiffusionConfig(prefix_cache_tokens=64)),
+     "runtime.prefix_cache_tokens=64 is invalid: DiffusionGemma decodes every prompt"),
+    (lambda m, ids: m.generate_multi_block(ids, BlockDiffusionConfig(max_batch_size=1)), "runtime.max_batch_size"),
 ])
 def test_bad_input_before_any_forward_model_unchanged(model, call, match):
     ids, _ = prompts([6])
@@ -81,7 +84,7 @@ def test_diffusion_gemma_preset_refused_on_another_family(qwen3):
 def test_preset_takes_the_generation_config_then_transformers_defaults(model, monkeypatch):
     """Unset canvas fields come from the checkpoint's generation config, else transformers' defaults; the preset's
     fields override them (the rules the engine receives are checked)."""
-    from hf_blockdiff.model_patches import diffusion_gemma
+    from hf_blockdiff.canvas import diffusion_gemma
 
     model.generation_config.max_denoising_steps = 7
     try:
@@ -129,7 +132,7 @@ def test_counter_noise_is_independent_of_the_batch(model):
 def test_cuda_graph_step_matches_eager_sdpa_gpu(name, monkeypatch):
     """On CUDA: the captured step (triton attention with window starts, compiled layers, CUDA graph) gives the
     tokens of the eager sdpa step with the same counter noise."""
-    from hf_blockdiff.generation import canvas
+    from hf_blockdiff.canvas import loop as canvas
 
     engines, init = [], canvas.CanvasEngine.__init__
 
@@ -139,7 +142,7 @@ def test_cuda_graph_step_matches_eager_sdpa_gpu(name, monkeypatch):
 
     monkeypatch.setattr(canvas.CanvasEngine, "__init__", recording_init)
     model = tiny_diffusion_gemma(name).cuda()
-    model.set_experts_implementation("batched_mm")  # float32 grouped GEMMs do not capture (`experts_capture`)
+    model.set_experts_implementation("batched_mm")  # float32 grouped GEMMs do not capture (`fusion.capture`)
     _, fields = settings(6, bound=3.0, confidence=2.5, stability=0)
     ids, mask = (t.cuda() for t in prompts([5, 40, 17]))
     runs = [model.generate_multi_block(ids, BlockDiffusionConfig(max_new_tokens=4 * CANVAS, **fields, **extra),
@@ -169,7 +172,7 @@ def test_nan_logits_stop_the_call_naming_prompt_step_and_canvas(device):
     captured step) stop the call with the prompt, step and canvas named instead of decoding garbage; the model's
     attention implementation is restored."""
     model = tiny_diffusion_gemma("mixed_moe").to(device)
-    model.set_experts_implementation("batched_mm")  # float32 grouped GEMMs do not capture (`experts_capture`)
+    model.set_experts_implementation("batched_mm")  # float32 grouped GEMMs do not capture (`fusion.capture`)
     implementation = model.config._attn_implementation
     calls = torch.zeros((), dtype=torch.long, device=device)
 

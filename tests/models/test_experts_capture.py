@@ -10,7 +10,7 @@ from diffusion_gemma_models import tiny_diffusion_gemma
 
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.attention.backends import TritonBackend
-from hf_blockdiff.experts_capture import experts_capture_blocker
+from hf_blockdiff.fusion.capture import experts_capture_blocker
 from hf_blockdiff.generation.engine import use_graphs
 
 CUDA = torch.device("cuda")

@@ -10,7 +10,7 @@ from released_checkpoints import (dream_config, fast_dllm_config, llada_config, 
 from transformers import AutoModelForCausalLM
 
 from hf_blockdiff import BlockDiffusionConfig
-from hf_blockdiff.profiles import model_profile
+from hf_blockdiff.config.profiles import model_profile
 from reference_loops import llada_reference, sdar_reference
 from reference_presets import dream_reference, fast_dllm_v2_reference
 

@@ -12,7 +12,7 @@ from torch_reference import block_causal, qwen_logits
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_blockdiff.model_patches.released_caches import FlatReleasedCache, ReleasedCache
+from hf_blockdiff.model_patches.released.caches import FlatReleasedCache, ReleasedCache
 
 CONFIGS = {"sdar": sdar_config, "dream": dream_config, "llada": llada_config,
            "fast_dllm": lambda: fast_dllm_config(mask_token_id=95)}

@@ -16,7 +16,7 @@ from torch_reference import block_causal, key_padding, llada2_logits, llada_logi
 from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_blockdiff.cache_keyword import CACHE_KEYWORD, cache_kwarg
+from hf_blockdiff.cache.keyword import CACHE_KEYWORD, cache_kwarg
 from hf_blockdiff.model_patches import profile_for
 
 # family -> (released config, reference forward, attention rule)

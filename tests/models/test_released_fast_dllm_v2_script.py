@@ -11,7 +11,7 @@ from released_checkpoints import fast_dllm_config
 from script_harness import both_ways, load_family, shift_logits, take_confident
 from torch_reference import block_causal, qwen_logits
 
-from hf_blockdiff.model_patches.released_caches import ReleasedCache
+from hf_blockdiff.model_patches.released.caches import ReleasedCache
 
 MASK, BLOCK, SUB_BLOCK = 95, 8, 4
 

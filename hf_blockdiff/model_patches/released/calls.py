@@ -25,8 +25,8 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from ..cache_keyword import CACHE_KEYWORD
-from .released_caches import FlatReleasedCache, ReleasedCache, block_view, read_only_view, replacing_view
+from ...cache.keyword import CACHE_KEYWORD
+from .caches import FlatReleasedCache, ReleasedCache, block_view, read_only_view, replacing_view
 
 
 @dataclass

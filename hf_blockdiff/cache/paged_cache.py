@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from .kernels.rotary_write import rotary_write
+from ..kernels.rotary_write import rotary_write
 
 SCRATCH_PAGE = 0
 

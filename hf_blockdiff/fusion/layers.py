@@ -34,7 +34,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 from ..attention import blockdiff_attention_forward
-from ..cache_keyword import kv_cache_argument
+from ..cache.keyword import kv_cache_argument
 from ..kernels import TRITON_AVAILABLE
 from ..kernels.rmsnorm import add_rms_norm
 from ..kernels.skinny_gemm import gated_linear, grouped_linear, linear_residual

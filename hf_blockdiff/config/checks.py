@@ -41,15 +41,15 @@ def check_modes(cfg) -> None:
 
 
 def check_prefix_store(cfg) -> None:
-    if not cfg.prefix_cache_tokens:
+    if not cfg.runtime.prefix_cache_tokens:
         return
     if cfg.prompt_attention != "block_causal":  # check_modes made that block-causal with absolute blocks
-        fail("prefix_cache_tokens", cfg.prefix_cache_tokens, "prefixes are exact and reusable only under "
+        fail("prefix_cache_tokens", cfg.runtime.prefix_cache_tokens, "prefixes are exact and reusable only under "
              "block-causal attention with absolute blocks and a block-causal prompt (a prompt seen as one block "
              "changes with its last token): pass 0 for this mode")
-    unit = math.lcm(cfg.page_size, cfg.block_size)
-    if cfg.prefix_cache_tokens < unit:
-        fail("prefix_cache_tokens", cfg.prefix_cache_tokens, f"it holds no unit of reuse (lcm(page_size, "
+    unit = math.lcm(cfg.runtime.page_size, cfg.block_size)
+    if cfg.runtime.prefix_cache_tokens < unit:
+        fail("prefix_cache_tokens", cfg.runtime.prefix_cache_tokens, f"it holds no unit of reuse (lcm(page_size, "
              f"block_size) = {unit} tokens): pass at least {unit}, or 0 to turn the store off")
 
 
@@ -144,8 +144,8 @@ def check_canvas_fields(cfg) -> None:
 
 CANVAS_FIELDS = ("max_denoising_steps", "entropy_bound", "t_max", "t_min", "stop_stability", "stop_confidence", "noise")
 # what else a DiffusionGemma decode reads; every other field is a block-diffusion rule it has no use for
-CANVAS_RUN_FIELDS = ("max_new_tokens", "eos_token_id", "pad_token_id", "attention_backend", "page_size",
-                     "max_cache_tokens", "cuda_graphs", "compile", "preset")
+CANVAS_RUN_FIELDS = ("max_new_tokens", "eos_token_id", "pad_token_id", "preset", "runtime")
+CANVAS_UNREAD_RUNTIME = ("prefix_cache_tokens", "max_batch_size")  # runtime options the canvas engine has no use for
 
 
 def check_block_config(cfg) -> None:
@@ -170,7 +170,33 @@ def check_canvas_config(cfg) -> None:
         if name not in CANVAS_FIELDS + CANVAS_RUN_FIELDS and getattr(cfg, name) != getattr(defaults, name):
             fail(name, getattr(cfg, name), "DiffusionGemma does not read it (its decoding is set by "
                  f"{', '.join(CANVAS_FIELDS)}): leave it unset")
+    for name in CANVAS_UNREAD_RUNTIME:
+        if getattr(cfg.runtime, name) != getattr(defaults.runtime, name):
+            fail(f"runtime.{name}", getattr(cfg.runtime, name), "DiffusionGemma decodes every prompt of a call at "
+                 "once and keeps no prefix store: leave it unset")
 
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_editing_fields(cfg) -> None:
+    """The fields of editable decoding (LLaDA2.1, Diffulex's edit/DMax rules)."""
+    value = cfg.editing_threshold
+    if value is not None and (not _number(value) or not 0.0 < value <= 1.0):
+        fail("editing_threshold", value, "pass a confidence in (0, 1], or None to turn editing off")
+    steps = cfg.max_post_steps
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        fail("max_post_steps", steps, "pass a non-negative integer (refinement steps after a block is filled)")
+    rules = (("remask_threshold", cfg.remask_threshold is not None, "pass a confidence in (0, 1], or None to "
+              "turn remasking off", lambda v: v is None or (_number(v) and 0.0 < v <= 1.0)),
+             ("stability_threshold", cfg.stability_threshold != 1.0, "pass a fraction in [0, 1] (1: a block "
+              "stops refining only after a step that changes nothing)", lambda v: _number(v) and 0 <= v <= 1),
+             ("edit_penalty", cfg.edit_penalty != 0.0, "pass a non-negative number (0: off)",
+              lambda v: _number(v) and v >= 0))
+    for name, used, fix, valid in rules:
+        if not valid(getattr(cfg, name)):
+            fail(name, getattr(cfg, name), fix)
+        if used and cfg.editing_threshold is None:
+            fail(name, getattr(cfg, name), "it is a rule of editable decoding: set editing_threshold too (or "
+                 "use the diffulex_edit preset)")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_bidirectional_mask
 
-from ..cache_keyword import cache_kwarg
+from ...cache.keyword import cache_kwarg
 
 
 def is_explicit_mask(attention_mask) -> bool:

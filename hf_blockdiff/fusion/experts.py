@@ -19,7 +19,7 @@ import torch
 
 from ..kernels import TRITON_AVAILABLE
 from ..kernels.moe_experts import few_pairs, grouped_mm_captures, moe_experts
-from .fused_layers import unhooked
+from .layers import unhooked
 
 try:
     from transformers.activations import GELUTanh, SiLUActivation

@@ -16,7 +16,7 @@ import torch
 
 from ..kernels.canvas_scoring import canvas_statistics, gumbel_rows_argmax, processed_logits
 from ..kernels.rng import uniform_tokens
-from ..scoring import score_canvas
+from ..strategies.scoring import score_canvas
 from ..strategies import entropy_bound_accept
 
 

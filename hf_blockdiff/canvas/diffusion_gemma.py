@@ -2,7 +2,7 @@
 (docs/fidelity.md, "DiffusionGemma").
 
 transformers ships the model and its own `generate`; here `generate_multi_block` decodes it through
-`generation.canvas`: this module runs the model's own modules (the encoder's and the decoder's layers, rotary
+`canvas.loop`: this module runs the model's own modules (the encoder's and the decoder's layers, rotary
 embeddings, self-conditioning block, LM head with its soft cap) over the paged cache, and resolves the canvas
 settings from the config, then the checkpoint's generation config, then transformers' defaults. Text only.
 """
@@ -15,12 +15,12 @@ import torch
 
 from ..attention import resolve_backend
 from ..config import BlockDiffusionConfig
-from ..config_checks import CANVAS_FIELDS, check_canvas_config
-from ..presets import DIFFUSION_GEMMA_DEFAULTS
-from ..scheduler.canvas import CanvasRules
-from ..generation.canvas import CanvasEngine, CanvasRun, CanvasStream
+from ..config.checks import CANVAS_FIELDS, check_canvas_config
+from ..config.presets import DIFFUSION_GEMMA_DEFAULTS
+from .schedule import CanvasRules
+from .loop import CanvasEngine, CanvasRun, CanvasStream
 from ..generation.engine import request_seeds, use_graphs
-from ..generation.fusion import decoding_mode, fusion_for
+from ..fusion.mode import decoding_mode, fusion_for
 from ..generation.generate import block_output
 from ..generation.inputs import check_call, prompts_of
 
@@ -30,7 +30,7 @@ GENERATION_CONFIG_NAMES = dict(max_denoising_steps="max_denoising_steps", t_max=
 
 
 class DiffusionGemmaRunner:
-    """The model's pieces as `generation.canvas.CanvasModel` wants them; the attention keyword arguments
+    """The model's pieces as `canvas.loop.CanvasModel` wants them; the attention keyword arguments
     (`blockdiff_cache`, `blockdiff_plan`) reach the registered attention function through the stock layers."""
 
     def __init__(self, model):
@@ -111,7 +111,7 @@ def generate_multi_block(self, input_ids: torch.LongTensor, config: BlockDiffusi
     stops = () if stops is None else (stops,) if isinstance(stops, int) else tuple(stops)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(generation, "pad_token_id", None)
     run = CanvasRun(cfg.max_new_tokens, stops, pad, cfg.noise, graphs,
-                    fusion_for(cfg, backend, graphs, device, self, len(prompts)), cfg.page_size)
+                    fusion_for(cfg, backend, graphs, device, self, len(prompts)), cfg.runtime.page_size)
     seeds = request_seeds(len(prompts), generator).to(device) if cfg.noise == "counter" else None
     stream = CanvasStream(streamer, input_ids, stops) if streamer is not None else None
     was_training = self.training
@@ -141,7 +141,7 @@ def _checked_config(model, config, input_ids, pixel_values) -> BlockDiffusionCon
     if getattr(text, "use_bidirectional_attention", None) == "all":
         raise ValueError("config.text_config.use_bidirectional_attention='all': the encoder would not be causal, "
                          "which generate_multi_block does not decode; use the model's own generate.")
-    if cfg.noise == "torch" and cfg.cuda_graphs:
+    if cfg.noise == "torch" and cfg.runtime.cuda_graphs:
         raise ValueError("BlockDiffusionConfig.cuda_graphs=True is invalid with noise='torch': torch's generator is "
                          "drawn on the host; pass noise='counter' or cuda_graphs=None.")
     return cfg
@@ -163,11 +163,11 @@ def _check_lengths(model, prompts: list[torch.Tensor], cfg: BlockDiffusionConfig
 
 
 def _backend(model, cfg: BlockDiffusionConfig, device: torch.device, rules: CanvasRules):
-    if cfg.attention_backend == "flash_attn":
+    if cfg.runtime.attention_backend == "flash_attn":
         raise ValueError("BlockDiffusionConfig.attention_backend='flash_attn' is invalid for DiffusionGemma: its "
                          "sliding-window layers need a lower key limit that only 'triton' and 'sdpa' read; pass "
                          "attention_backend='triton' (or 'auto').")
-    backend = resolve_backend(cfg.attention_backend, device, rules.length, cfg.page_size)
+    backend = resolve_backend(cfg.runtime.attention_backend, device, rules.length, cfg.runtime.page_size)
     if backend.name == "flash_attn":  # auto picked it: Triton is missing
-        return resolve_backend("sdpa", device, rules.length, cfg.page_size)
+        return resolve_backend("sdpa", device, rules.length, cfg.runtime.page_size)
     return backend

@@ -8,20 +8,23 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .config_checks import (
-    check_against_profile, check_canvas_fields, check_ids, check_minimal_topk, check_modes, decoded_block_size, fail,
+from .checks import (
+    check_against_profile, check_canvas_fields, check_editing_fields, check_ids, check_minimal_topk, check_modes,
+    decoded_block_size, fail,
 )
-from .config_record import explicit_fields, record_passed_fields
+from .record import explicit_fields, record_passed_fields
+from .runtime import (
+    RUNTIME_FIELDS, RuntimeOptions, moved_to_runtime, route_runtime_keywords, with_runtime,
+)
 from .presets import PRESETS, preset_fields
 from .profiles import ALIGNMENTS, ATTENTIONS, ModelProfile
-from .strategies import STRATEGIES, strategy_names
+from ..strategies import STRATEGIES, strategy_names
 
 FALLBACKS = ("topk", "leftmost")
 CONFIDENCE_SOURCES = ("filtered", "unfiltered", "raw")
 APPROX_CACHES = ("none", "prefix", "dual")
 SCORE_PRECISIONS = ("float32", "float64")
 FORCED_TOKEN_SCOPES = ("lowest_full_block", "all_active")
-ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flash_attn")
 
 # fields a model profile may fill in when the user leaves them unset
 PROFILE_FIELDS = ("mask_token_id", "block_size", "attention", "alignment", "logit_shift", "eos_token_id", "pad_token_id")
@@ -37,86 +40,89 @@ def _is_int(value: Any) -> bool:
 
 @dataclass
 class BlockDiffusionConfig:
-    """How `generate_multi_block` decodes. Fields left as `None` come from the model's profile (docs/fidelity.md, "Model families").
-    Precedence: call keywords > `explicit_fields` > preset > model's `generation_config` > defaults and profile.
+    """How `generate_multi_block` decodes. Fields left as `None` come from the model's profile (docs/fidelity.md,
+    "Model families"). Precedence: call keywords > `explicit_fields` > preset > model's `generation_config` > defaults
+    and profile. How the call runs on its device (backend, CUDA graphs, compile, pages, prefix cache, batch) is
+    `runtime`, a `RuntimeOptions`; its fields are keywords here too.
 
-    mask_token_id: id written at undecided positions; never proposed.
-    block_size: positions decoded together (B); unset: the size the checkpoint was trained with, else the preset's,
-    else the profile's (docs/fidelity.md, "Presets"). steps_per_block: S of the schedule n_t = ⌊B/S⌋ + [t < B mod S].
-    minimal_topk: k of diffusers' LLaDA2Pipeline: S is capped at max_new_tokens // k (fewer steps, so each commits
-    more; None: no cap; 1: no more steps than new tokens).
-    strategy / threshold / fallback: which positions are committed each step (docs/architecture.md, "Scoring and
-    strategies").
-    temperature / top_k / top_p: proposal sampling; temperature 0 is greedy, top_k ≤ 0 and top_p = 1 are off. top_p
-    outside (0, 1] is refused: above 1 as transformers' TopPLogitsWarper refuses it (rather than read as off), 0 as a
-    nucleus of no probability (top_k=1 keeps the most likely token).
-    max_active_blocks: K blocks decoded at once (1 = single-block); block_add_threshold: progress of the last
-    block at which the next one is added; decoded_token_threshold: progress of a block's predecessor at which it
-    becomes fully activated (forced to make progress).
-    alignment: "absolute" (blocks at multiples of B, prompt tail in the first block) or "prompt_end".
-    attention: "block_causal" (exact KV cache) or "bidirectional" (full recompute).
-    prompt_attention: how the prompt positions before the first decode block see each other under block-causal
-    attention with absolute blocks: "block_causal" (a staircase of blocks, as SDAR trains) or "bidirectional" (one
-    block, as JetEngine prefills LLaDA-architecture checkpoints); None: block_causal there, bidirectional elsewhere
-    (prompt_end blocks and bidirectional models always see the prompt as one block).
-    logit_shift: token i is predicted at position i-1.
-    eos_token_id / pad_token_id / early_stop: stop ids, the id written after the first stop token, and whether a
-    row ends once the block holding its first stop token is complete (then `pad_token_id` follows the stop token);
-    early_stop=False decodes every row to max_new_tokens and replaces nothing, as if there were no stop ids.
-    fused_store: store a finished block's K/V in the next block's first forward (token-identical, fewer forwards).
-    attention_backend: "auto" (Triton on CUDA, sdpa on CPU), "sdpa", "triton" or "flash_attn" (FA2/FA3/FA4 if
-    installed). FlexAttention was measured as a candidate and not kept (docs/benchmarks.md, "Kernel microbenchmarks").
-    page_size: tokens per KV-cache page. max_cache_tokens: KV-cache capacity in tokens (default: 80 % of the free GPU
-    memory on CUDA, unbounded on CPU); it limits how many prompts decode at once. cuda_graphs: replay each decode
-    step as a CUDA graph (None: on CUDA with the triton and flash_attn backends; True off CUDA runs the same fixed-shape step eagerly).
-    max_forwards / max_repeat_run: request limits (Diffulex): a prompt ends once it took `max_forwards` decoding steps
-    (its `steps` output; prefill and store forwards do not count), or once its generated tokens, decided from the
-    first on, hold a run of `max_repeat_run` equal tokens (the output ends with that run); the positions after are
-    the pad id. None: no limit (docs/architecture.md, "The decode loop").
-    prefix_cache_tokens: opt-in reuse of prompt prefixes across calls: up to this many tokens of earlier prompts'
-    prefixes stay in the KV cache (units of lcm(page_size, block_size) tokens, least recently used evicted, emptied
-    when the weights change) and a prompt starting with the same tokens reads them instead of computing them.
-    Block-causal decoding with absolute blocks; 0: off (docs/architecture.md, "The cache").
-    compile: run the decoder layers through torch.compile while decoding (inductor fuses norms, rotary embedding and
-    the MLP activation; shapes are dynamic, so it compiles once per layer class), and on CUDA with graphs the step's
-    scheduler calls too (their tiny bookkeeping ops fuse: docs/kernels.md, "Kernels and backends"). None: with CUDA
-    graphs (also for a tensor-parallel model), unless its quantized weights compile badly or every decoder layer
-    already runs fused at ≤ 64 tokens per forward (stock Qwen2/Qwen3 layers beside the Triton backend, docs/benchmarks.md, "Cold
-    start"). The first call pays the compilation (tens of seconds for a 4B model).
+    Blocks and schedule:
+        mask_token_id: id written at undecided positions; never proposed.
+        block_size: positions decoded together (B); unset: the size the checkpoint was trained with, else the
+            preset's, else the profile's (docs/fidelity.md, "Presets").
+        steps_per_block: S of the schedule n_t = ⌊B/S⌋ + [t < B mod S].
+        minimal_topk: k of diffusers' LLaDA2Pipeline: S is capped at max_new_tokens // k (fewer steps, so each
+            commits more; None: no cap; 1: no more steps than new tokens).
+        max_active_blocks: K blocks decoded at once (1 = single-block); block_add_threshold: progress of the last
+            block at which the next one is added; decoded_token_threshold: progress of a block's predecessor at which
+            it becomes fully activated (forced to make progress); add_activation_threshold: predecessor progress at
+            which a newly added block is fully activated at once (None: decoded_token_threshold).
+        alignment: "absolute" (blocks at multiples of B, prompt tail in the first block) or "prompt_end".
+        attention: "block_causal" (exact KV cache) or "bidirectional" (full recompute).
+        prompt_attention: how the prompt positions before the first decode block see each other under block-causal
+            attention with absolute blocks: "block_causal" (a staircase of blocks, as SDAR trains) or "bidirectional"
+            (one block, as JetEngine prefills LLaDA-architecture checkpoints); None: block_causal there,
+            bidirectional elsewhere (prompt_end blocks and bidirectional models always see the prompt as one block).
+        logit_shift: token i is predicted at position i-1.
 
-    Sampling controls: repetition_penalty (transformers semantics, over the row's decided tokens),
-    pos_temp_slope (T_i = T·(1 + slope·i/(B−1)) for position i of a block), confidence ("filtered": probability
-    under the distribution the token was drawn from; "unfiltered": softmax(ℓ/T) before top-k/top-p, as
-    JetEngine; "raw": softmax(ℓ), as LLaDA), cfg_scale (LLaDA classifier-free guidance, bidirectional models),
-    logits_processor (a transformers LogitsProcessorList applied to the flattened block logits; its input_ids are
-    the rows' canvases).
-    Strategy parameters: entropy_budget (γ, entropy_bounded), relative_alpha (α, relative_top), factor
-    (confidence_factor), threshold_strict (compare c > τ instead of ≥; None: the strategy's own rule).
-    Reference behaviours (set by presets): sub_block_size (Fast-dLLM v2 decodes a block sub-block by sub-block),
-    first_token_on_store (the forward that stores a block commits the next block's first token greedily, Fast-dLLM
-    v2), approx_cache ("prefix"/"dual": Fast-dLLM v1 approximate caches for bidirectional models), eos_fill
-    (d3LLM: the first stop token fills every later position), add_activation_threshold (predecessor progress at
-    which a newly added block is fully activated at once; None: decoded_token_threshold), score_precision
-    (softmax dtype for confidence/entropy), dream_eps (ε of Dream's schedule).
-    preset: name of the preset the config came from (the model facts it pins are checked against the profile).
-    forced_token_scope: where the forced token of rules that force one only when none passes (entropy_threshold and
-    the like) may lie: "lowest_full_block" (the lowest fully activated active block; d3LLM's Dream decoder) or
-    "all_active" (besides that, the best candidate of all the slot's active blocks when none passes in any of them;
-    d3LLM's LLaDA decoder).
-    editing_threshold / max_post_steps: LLaDA2.1 editable decoding (block-causal, one active block): a decided,
-    non-prompt position of the active block takes the model's proposal where it differs with confidence
-    > editing_threshold (None: off), and a block whose masks were filled before its S-th step keeps refining while
-    its steps edit something, at most max_post_steps + 1 steps; a block takes at most steps_per_block +
-    max_post_steps steps, the last one commits every mask left (docs/architecture.md, "The decode loop").
-    remask_threshold / stability_threshold / edit_penalty: Diffulex's edit/DMax rules on top of editing (preset
-    `diffulex_edit`): a decided generated position of the active block whose proposal has confidence
-    < remask_threshold turns back into a mask (None: off); a refinement step ends the refining when it left at
-    least stability_threshold of the block's decided tokens unchanged (1: only a step that changes nothing, LLaDA2.1);
-    edit_penalty is subtracted from the logit of the token just before a position in its block (0: off).
+    Which positions a step commits (docs/architecture.md, "Scoring and strategies"):
+        strategy / threshold / fallback: the remasking strategy, its threshold and what a block forced to make
+            progress commits when nothing passes; threshold_strict: compare c > τ instead of ≥ (None: the
+            strategy's own rule). Strategy parameters: entropy_budget (γ, entropy_bounded), relative_alpha (α,
+            relative_top), factor (confidence_factor), dream_eps (ε of Dream's schedule).
+        forced_token_scope: where the forced token of rules that force one only when none passes (entropy_threshold
+            and the like) may lie: "lowest_full_block" (the lowest fully activated active block; d3LLM's Dream
+            decoder) or "all_active" (besides that, the best candidate of all the slot's active blocks when none
+            passes in any of them; d3LLM's LLaDA decoder).
+
+    Sampling and scores:
+        temperature / top_k / top_p: proposal sampling; temperature 0 is greedy, top_k ≤ 0 and top_p = 1 are off.
+            top_p outside (0, 1] is refused: above 1 as transformers' TopPLogitsWarper refuses it (rather than read as
+            off), 0 as a nucleus of no probability (top_k=1 keeps the most likely token).
+        repetition_penalty: transformers semantics, over the row's decided tokens. pos_temp_slope: T_i = T·(1 +
+            slope·i/(B−1)) for position i of a block. cfg_scale: LLaDA classifier-free guidance (bidirectional
+            models). logits_processor: a transformers LogitsProcessorList applied to the flattened block logits (its
+            input_ids are the rows' canvases).
+        confidence: "filtered" (probability under the distribution the token was drawn from), "unfiltered"
+            (softmax(ℓ/T) before top-k/top-p, as JetEngine) or "raw" (softmax(ℓ), as LLaDA); score_precision: the
+            softmax dtype of confidence and entropy.
+
+    Stopping and limits:
+        eos_token_id / pad_token_id / early_stop: stop ids, the id written after the first stop token, and whether a
+            row ends once the block holding its first stop token is complete (then `pad_token_id` follows the stop
+            token); early_stop=False decodes every row to max_new_tokens and replaces nothing.
+        eos_fill: the first stop token fills every later position (d3LLM).
+        max_new_tokens: new tokens per prompt. max_forwards / max_repeat_run: request limits (Diffulex): a prompt
+            ends once it took `max_forwards` decoding steps (its `steps` output; prefill and store forwards do not
+            count), or once its generated tokens, decided from the first on, hold a run of `max_repeat_run` equal
+            tokens (the output ends with that run); the positions after are the pad id. None: no limit.
+
+    Editing (LLaDA2.1, Diffulex; docs/architecture.md, "The decode loop"):
+        editing_threshold / max_post_steps: a decided, non-prompt position of the active block (block-causal, one
+            active block) takes the model's proposal where it differs with confidence > editing_threshold (None:
+            off), and a block whose masks were filled before its S-th step keeps refining while its steps edit
+            something, at most max_post_steps + 1 steps; the last one commits every mask left.
+        remask_threshold / stability_threshold / edit_penalty (preset `diffulex_edit`): a decided generated position
+            of the active block whose proposal has confidence < remask_threshold turns back into a mask (None: off);
+            a refinement step ends the refining when it left at least stability_threshold of the block's decided
+            tokens unchanged (1: only a step that changes nothing); edit_penalty is subtracted from the logit of the
+            token just before a position in its block (0: off).
+
+    Reference behaviours (set by presets; docs/fidelity.md, "Presets"):
+        preset: the preset the config came from (the model facts it pins are checked against the profile).
+        fused_store: store a finished block's K/V in the next block's first forward (token-identical, fewer
+            forwards). sub_block_size: Fast-dLLM v2 decodes a block sub-block by sub-block; first_token_on_store: the
+            forward that stores a block commits the next block's first token greedily (Fast-dLLM v2). approx_cache:
+            "prefix"/"dual", Fast-dLLM v1's approximate caches for bidirectional models.
+
     DiffusionGemma's canvas denoising (docs/fidelity.md, "DiffusionGemma"; None: the checkpoint's generation config,
-    else transformers' defaults): max_denoising_steps, entropy_bound, t_max → t_min (the temperature schedule),
-    stop_stability / stop_confidence (adaptive stopping: transformers' stability_threshold / confidence_threshold);
-    noise: "counter" (the fast path's hashes) or "torch" (torch's generator in transformers' order, for tests).
+    else transformers' defaults):
+        max_denoising_steps, entropy_bound, t_max → t_min (the temperature schedule), stop_stability /
+            stop_confidence (adaptive stopping: transformers' stability_threshold / confidence_threshold).
+        noise: "counter" (the fast path's hashes) or "torch" (torch's generator in transformers' order, for tests).
+
+    Runtime:
+        runtime: a `RuntimeOptions` (attention_backend, cuda_graphs, compile, page_size, max_cache_tokens,
+            prefix_cache_tokens, max_batch_size); none of them changes what is decoded.
     """
 
     mask_token_id: int | None = None
@@ -141,11 +147,6 @@ class BlockDiffusionConfig:
     pad_token_id: int | None = None
     early_stop: bool = True
     fused_store: bool = True
-    attention_backend: str = "auto"
-    page_size: int = 64
-    max_cache_tokens: int | None = None
-    cuda_graphs: bool | None = None
-    compile: bool | None = None
     repetition_penalty: float = 1.0
     pos_temp_slope: float = 0.0
     confidence: str = "filtered"
@@ -169,7 +170,6 @@ class BlockDiffusionConfig:
     remask_threshold: float | None = None
     stability_threshold: float = 1.0
     edit_penalty: float = 0.0
-    prefix_cache_tokens: int = 0
     max_forwards: int | None = None
     max_repeat_run: int | None = None
     max_denoising_steps: int | None = None
@@ -179,22 +179,30 @@ class BlockDiffusionConfig:
     stop_stability: int | None = None
     stop_confidence: float | None = None
     noise: str = "counter"
+    runtime: RuntimeOptions = dataclasses.field(default_factory=RuntimeOptions)
 
     def __post_init__(self) -> None:
         self._validate()
+
+    def __getattr__(self, name: str):
+        if name in RUNTIME_FIELDS:
+            raise AttributeError(moved_to_runtime(name))
+        raise AttributeError(f"'BlockDiffusionConfig' object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in RUNTIME_FIELDS:
+            raise AttributeError(moved_to_runtime(name))
+        object.__setattr__(self, name, value)
 
     def _validate(self) -> None:
         for field in dataclasses.fields(self):  # inf/nan settings would make no step commit anything
             value = getattr(self, field.name)
             if isinstance(value, float) and not math.isfinite(value):
                 fail(field.name, value, "pass a finite number")
-        for name in ("block_size", "steps_per_block", "max_new_tokens", "max_active_blocks", "page_size",
-                     "max_cache_tokens"):
+        for name in ("block_size", "steps_per_block", "max_new_tokens", "max_active_blocks"):
             value = getattr(self, name)
             if (value is not None or name == "max_new_tokens") and (not _is_int(value) or value <= 0):
                 fail(name, value, "pass a positive integer")
-        if self.page_size & (self.page_size - 1):
-            fail("page_size", self.page_size, "pass a power of two (16, 32, 64, ...)")
         for name, low in (("max_forwards", 1), ("max_repeat_run", 2)):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < low):
@@ -202,9 +210,6 @@ class BlockDiffusionConfig:
         if self.max_repeat_run is not None and self.eos_fill:
             fail("max_repeat_run", self.max_repeat_run, "a repeated run is cut with the pad id, which eos_fill "
                   "replaces with stop ids: pass one of max_repeat_run and eos_fill")
-        tokens = self.prefix_cache_tokens
-        if not _is_int(tokens) or tokens < 0:
-            fail("prefix_cache_tokens", tokens, "pass a number of tokens (0 turns the prefix store off)")
         if self.mask_token_id is not None and (not isinstance(self.mask_token_id, int) or self.mask_token_id < 0):
             fail("mask_token_id", self.mask_token_id, "pass the non-negative id of the mask token")
         if self.strategy not in STRATEGIES:
@@ -235,8 +240,6 @@ class BlockDiffusionConfig:
         for name in ("attention", "prompt_attention"):
             if getattr(self, name) is not None and getattr(self, name) not in ATTENTIONS:
                 fail(name, getattr(self, name), f"choose one of {', '.join(ATTENTIONS)}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            fail("attention_backend", self.attention_backend, f"choose one of {', '.join(ATTENTION_BACKENDS)}")
         for name, allowed in (("confidence", CONFIDENCE_SOURCES), ("approx_cache", APPROX_CACHES),
                               ("score_precision", SCORE_PRECISIONS), ("forced_token_scope", FORCED_TOKEN_SCOPES)):
             if getattr(self, name) not in allowed:
@@ -263,35 +266,14 @@ class BlockDiffusionConfig:
             fail("sub_block_size", self.sub_block_size, "sub-blocks are Fast-dLLM v2's decoding: they need "
                   "attention='block_causal' and fused_store=False (or use the fast_dllm_v2 preset)")
         self._validate_switches()
-        self._validate_editing()
-
-    def _validate_editing(self) -> None:
-        value = self.editing_threshold
-        if value is not None and (not _is_number(value) or not 0.0 < value <= 1.0):
-            fail("editing_threshold", value, "pass a confidence in (0, 1], or None to turn editing off")
-        steps = self.max_post_steps
-        if not _is_int(steps) or steps < 0:
-            fail("max_post_steps", steps, "pass a non-negative integer (refinement steps after a block is filled)")
-        rules = (("remask_threshold", self.remask_threshold is not None, "pass a confidence in (0, 1], or None to "
-                  "turn remasking off", lambda v: v is None or (_is_number(v) and 0.0 < v <= 1.0)),
-                 ("stability_threshold", self.stability_threshold != 1.0, "pass a fraction in [0, 1] (1: a block "
-                  "stops refining only after a step that changes nothing)", lambda v: _is_number(v) and 0 <= v <= 1),
-                 ("edit_penalty", self.edit_penalty != 0.0, "pass a non-negative number (0: off)",
-                  lambda v: _is_number(v) and v >= 0))
-        for name, used, fix, valid in rules:
-            if not valid(getattr(self, name)):
-                fail(name, getattr(self, name), fix)
-            if used and self.editing_threshold is None:
-                fail(name, getattr(self, name), "it is a rule of editable decoding: set editing_threshold too (or "
-                      "use the diffulex_edit preset)")
+        check_editing_fields(self)
 
     def _validate_switches(self) -> None:
+        if not isinstance(self.runtime, RuntimeOptions):
+            fail("runtime", self.runtime, "pass a RuntimeOptions (or its fields as keywords)")
         for name in ("early_stop", "fused_store", "first_token_on_store", "eos_fill"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, getattr(self, name), "pass True or False")
-        for name in ("cuda_graphs", "compile"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                fail(name, getattr(self, name), "pass True, False or None (automatic)")
         if self.logits_processor is not None and not callable(self.logits_processor):
             fail("logits_processor", self.logits_processor, "pass a transformers LogitsProcessorList")
         eos = self.eos_token_id
@@ -322,15 +304,15 @@ class BlockDiffusionConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "BlockDiffusionConfig":
-        """A config reproducing a reference decoder (see `hf_blockdiff.presets`); `overrides` win."""
+        """A config reproducing a reference decoder (see `hf_blockdiff.config.presets`); `overrides` win."""
         config = cls(**preset_fields(name, overrides, cls))
-        config._passed = frozenset(overrides) | {"preset"}
+        config._passed = frozenset(with_runtime(overrides)) | {"preset"}
         return config
 
     @property
     def explicit_fields(self) -> frozenset[str]:
         """Fields passed to the constructor, `replace` or `from_preset`, or unlike the default (the preset's; see
-        `config_record`). `cfg.replace` records the names it is given; a `dataclasses.replace` copy counts every
+        `config.record`). `cfg.replace` records the names it is given; a `dataclasses.replace` copy counts every
         field as set."""
         return explicit_fields(self)
 
@@ -339,7 +321,8 @@ class BlockDiffusionConfig:
 
     def replace(self, **changes) -> "BlockDiffusionConfig":
         """A copy with `changes`; a field the preset derives from a changed one (Dream's block size from
-        max_new_tokens) follows it unless it was set."""
+        max_new_tokens) follows it unless it was set. Runtime options among `changes` change `runtime`'s fields."""
+        changes = with_runtime(changes, self.runtime)
         preset = PRESETS.get(self.preset)
         derived = {target: source for target, source in (preset.derived if preset else {}).items()
                    if source in changes and target not in changes}
@@ -395,3 +378,4 @@ class BlockDiffusionConfig:
 
 
 record_passed_fields(BlockDiffusionConfig)
+route_runtime_keywords(BlockDiffusionConfig)  # outermost: the record sees `runtime`, not the keywords

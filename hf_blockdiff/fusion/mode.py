@@ -6,8 +6,8 @@ through torch.compile (inductor fuses norms, rotary embedding and the gated MLP'
 attention stay eager between the compiled pieces). With either fusion the stock Qwen attentions run q/k/v as one
 op and their q/k norms and rotary embedding in the cache's write kernel, and with `skinny=True` (the executor's
 choice when its denoising forwards hold few tokens) the stock gated MLPs run as skinny-GEMM ops too, and with
-`fusion="norms"` the stock decoder layers with their residual adds fused (`fused_layers.py`); with either fusion the
-stock MoE experts run on the experts op (`fused_experts.py`). Everything is restored after, also when the block
+`fusion="norms"` the stock decoder layers with their residual adds fused (`fusion/layers.py`); with either fusion the
+stock MoE experts run on the experts op (`fusion/experts.py`). Everything is restored after, also when the block
 raises.
 """
 
@@ -23,9 +23,9 @@ from ..attention.backends import TritonBackend
 from ..config import BlockDiffusionConfig
 from ..kernels.rmsnorm import rms_norm
 from ..kernels.skinny_gemm import MAX_ROWS
-from ..quantization import compiles_well
-from .fused_experts import fused_experts
-from .fused_layers import fused_forwards
+from ..weights.quantization import compiles_well
+from .experts import fused_experts
+from .layers import fused_forwards
 
 # transformers' RMSNorm classes whose forward is exactly kernels.rmsnorm.rms_norm_reference
 STOCK_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm")
@@ -38,7 +38,7 @@ def few_tokens(cfg: BlockDiffusionConfig, rows: int) -> bool:
 
 
 def fully_fused(model) -> bool:
-    """Whether every decoder layer has a fused forward, its attention and MLP with it (`fused_layers.py`)."""
+    """Whether every decoder layer has a fused forward, its attention and MLP with it (`fusion/layers.py`)."""
     fused = {id(module) for module, _ in fused_forwards(model, layers=True)}
     layers = decoder_layers(model)
     return bool(layers) and all(id(layer) in fused for layer in layers)
@@ -52,7 +52,7 @@ def fusion_for(cfg: BlockDiffusionConfig, backend: AttentionBackend, graphs: boo
     (docs/benchmarks.md, "Cold start"; `compile=True` there also compiles the step's bookkeeping, which buys 8–9 %).
     Tensor-parallel layers compile too: their collectives trace into the compiled layers (docs/kernels.md, "Kernels
     and backends")."""
-    compile_ = cfg.compile
+    compile_ = cfg.runtime.compile
     if compile_ is None:
         fused = backend.fuses_norms and fully_fused(model) and few_tokens(cfg, rows)
         compile_ = graphs and device.type == "cuda" and not fused and compiles_well(model)

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import TRITON_AVAILABLE
-from .kernels.canvas_scoring import FUSED_PROBS_DTYPES, canvas_score_reference, canvas_score_triton
-from .kernels.scoring import (distribution_scores, gumbel_argmax, inverse_temperature, score_reference, score_triton,
-                              top_k_filter)
+from ..kernels import TRITON_AVAILABLE
+from ..kernels.canvas_scoring import FUSED_PROBS_DTYPES, canvas_score_reference, canvas_score_triton
+from ..kernels.scoring import (distribution_scores, gumbel_argmax, inverse_temperature, score_reference, score_triton,
+                              top_k_filter, top_p_filter)
 
 
 @dataclass
@@ -50,17 +50,6 @@ class SamplingParams:
     top_p: float = 1.0
     confidence: str = "filtered"  # "filtered" | "unfiltered" | "raw"
     precision: str = "float32"
-
-
-def top_p_filter(z: torch.Tensor, top_p: float) -> torch.Tensor:
-    """transformers' TopPLogitsWarper: keep the smallest set of most likely tokens whose probability reaches
-    `top_p`, and always the most likely one."""
-    sorted_z, order = torch.sort(z, dim=-1, descending=False)
-    cumulative = torch.softmax(sorted_z, dim=-1).cumsum(-1)
-    drop_sorted = cumulative <= 1 - top_p
-    drop_sorted[:, -1] = False
-    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-    return z.masked_fill(drop, float("-inf"))
 
 
 def score_logits(

@@ -1,8 +1,8 @@
 """DiffusionGemma on the paged cache (docs/fidelity.md, "DiffusionGemma"): an encoder writes the prompt and every
 finished canvas into `PagedBlockCache`; a decoder with its own weights denoises a canvas of `canvas_length` tokens
 bidirectionally over that prefix, read-only (its canvas K/V are written ahead of the committed pointer, as every
-window here). The canvas rules (noise, acceptance, stopping, temperature) are `scheduler.canvas`'s; the model's
-pieces come from `model_patches.diffusion_gemma` as a `CanvasModel`.
+window here). The canvas rules (noise, acceptance, stopping, temperature) are `canvas.schedule`'s; the model's
+pieces come from `canvas.diffusion_gemma` as a `CanvasModel`.
 
 A denoise step has fixed shapes [slots, canvas_length] and no host sync, so with the `triton` backend on CUDA it is
 captured once as a CUDA graph and replayed; the host reads two flags per step (has every canvas stopped; did a
@@ -19,13 +19,13 @@ import torch
 
 from ..attention import AttentionBackend
 from ..cache import PagedBlockCache
-from ..scheduler.canvas import CanvasRules, CanvasState, CounterNoise, TorchOrderNoise
-from .engine import Results, nonfinite_error
-from .graphs import capturing, compile_ahead
+from .schedule import CanvasRules, CanvasState, CounterNoise, TorchOrderNoise
+from ..generation.engine import Results, nonfinite_error
+from ..generation.graphs import capturing, compile_ahead
 
 
 class CanvasModel(Protocol):
-    """What the canvas engine needs of a model (model_patches.diffusion_gemma.DiffusionGemmaRunner)."""
+    """What the canvas engine needs of a model (canvas.diffusion_gemma.DiffusionGemmaRunner)."""
 
     num_layers: int
     hidden_size: int
