@@ -21,7 +21,7 @@ from .config.checks import decoded_block_size
 from .config.presets import PRESETS
 from .config.profiles import ALIGNMENTS, ATTENTIONS, model_profile
 from .strategies import strategy_names
-from .tools import bench, demo
+from .tools import bench, demo, warmup
 
 # flags of BlockDiffusionConfig's fields and of its runtime options (keywords of the config too)
 DEFAULTS = {f.name: f.default for cls in (BlockDiffusionConfig, RuntimeOptions) for f in dataclasses.fields(cls)}
@@ -181,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(commands)
     bench.add_parser(commands)
+    warmup.add_parser(commands)
     demo.add_parsers(commands)
     evaluate = commands.add_parser("lm-eval", add_help=False, help="lm-evaluation-harness with the hf-blockdiff "
                                    "model registered; lm_eval's arguments follow (needs `pip install lm-eval`)")

@@ -101,3 +101,18 @@ def test_the_example_trains_and_logs_the_metric(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "step   3: accuracy" in run.stdout
+
+
+def test_a_compile_cache_is_loaded_at_train_begin_and_saved_after_the_first_generation(tmp_path, monkeypatch):
+    from hf_blockdiff.integrations import compile_cache
+
+    events = []
+    monkeypatch.setattr(compile_cache, "load", lambda model, directory: events.append(("load", directory)))
+    monkeypatch.setattr(compile_cache, "save", lambda model, directory: events.append(("save", directory)))
+    model = tiny_model("qwen3")
+    trainer = make_trainer(model, tmp_path, max_steps=1, eval_strategy="steps", eval_steps=1)
+    cache = str(tmp_path / "cache")
+    trainer.add_callback(hf_blockdiff.BlockDiffusionEvalCallback(PROMPTS[:2], config=CFG, compile_cache=cache))
+    trainer.train()
+    trainer.evaluate()
+    assert events == [("load", cache), ("save", cache)]  # the second evaluation saves nothing again

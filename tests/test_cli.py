@@ -95,6 +95,10 @@ def test_bench_reports_both_loops(capsys):
     first = report["first_call"]
     assert first["name"] == "hf_blockdiff (first call)" and first["seconds"] > 0 and first["forwards"] == 12
     assert report["first_call_overhead_s"] == round(first["seconds"] - ours["seconds"], 3)
+    # then a call of another prompt length (9 * 3 // 4 + 1 = 7) and batch size (3), and the same call warm
+    new_shape = report["new_shape_call"]
+    assert new_shape["name"] == "hf_blockdiff (new shape call)" and new_shape["rows"] == 3
+    assert new_shape["tokens"] == 24 and new_shape["seconds"] > 0 and "new_shape_overhead_s" in report
     assert report["recompile_limits_hit"] == []
 
 

@@ -46,7 +46,8 @@ def test_the_library_imports_no_tool():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=root).stdout.split()
     assert not [m for m in loaded if m.startswith("hf_blockdiff.tools")]
-    assert set(loaded) <= {f"hf_blockdiff.integrations{s}" for s in ("", ".callbacks", ".distributed", ".completions")}
+    assert set(loaded) <= {f"hf_blockdiff.integrations{s}" for s in ("", ".callbacks", ".compile_cache", ".distributed",
+                                                                  ".completions")}
 
 
 def test_the_callback_stays_at_the_top():

@@ -57,9 +57,9 @@ def test_max_batch_size_keyword_is_the_runtime_field_and_keeps_the_engine():
     ids, mask = left_pad(random_prompts((5, 7, 6, 9, 4), seed=3))
     cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, eos_token_id=[],
                                attention="block_causal")
-    full = model.generate_multi_block(ids, cfg, attention_mask=mask, max_batch_size=5)
+    full = model.generate_multi_block(ids, cfg, attention_mask=mask, max_batch_size=6)  # 5 prompts: 6 slots
     engine = model._blockdiff_engine
-    assert model.generate_multi_block(ids, cfg, attention_mask=mask).tolist() == full.tolist()  # 5 slots again
+    assert model.generate_multi_block(ids, cfg, attention_mask=mask).tolist() == full.tolist()  # 6 again
     assert model._blockdiff_engine is engine
     assert model.generate_multi_block(ids, cfg, attention_mask=mask, max_batch_size=2).tolist() == full.tolist()
     with pytest.raises(ValueError, match="runtime.max_batch_size=-1"):

@@ -59,6 +59,14 @@ def plan_shapes(prompt_lengths: list[int], cfg: BlockDiffusionConfig) -> tuple[i
     return int(row_end.max()), int(num_blocks.max())
 
 
+def shape_bucket(size: int) -> int:
+    """The smallest of 2^k and 3·2^(k-1) that holds `size`: engines come in a few widths and slot counts, at most
+    half again as large as a call needs, so calls of other prompt lengths and batch sizes reuse an engine (its
+    compiled step and CUDA graphs) instead of building one (docs/architecture.md, "The cache")."""
+    power = 1 << max(size - 1, 0).bit_length()
+    return 3 * power // 4 if 3 * power // 4 >= size else power
+
+
 def kv_bytes_per_token(model) -> int:
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -284,16 +292,19 @@ def _check_finite(nonfinite: list[int], owner: list[int]) -> None:
 
 def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor],
                backend: AttentionBackend, device: torch.device, samples: int = 1) -> Engine:
-    """The model's cached engine if it fits this call, else a new one (sized to the KV-cache budget)."""
+    """The model's cached engine if it fits this call, else a new one (sized to the KV-cache budget) of the call's
+    `shape_bucket`s: slots and canvas width."""
     width, max_blocks = plan_shapes([len(p) for p in prompts], cfg)
     engine = getattr(model, "_blockdiff_engine", None)
-    wanted = min(len(prompts), cfg.runtime.max_batch_size or len(prompts))
+    limit = cfg.runtime.max_batch_size or shape_bucket(len(prompts))  # never more rows at once than max_batch_size
+    wanted = min(shape_bucket(min(len(prompts), limit)), limit)
     slots, pool_tokens = _cache_plan(model, cfg, prompts, width, wanted, samples, engine, device)
     if cfg.runtime.max_cache_tokens is None and engine is not None and slots < engine.state.num_rows <= wanted:
         slots = engine.state.num_rows  # already allocated: a budget measured now misses what its buffers hold
     if engine is None or not engine.fits(cfg, slots, width, max_blocks, backend):
         model._blockdiff_engine = None  # let the old buffers go before allocating new ones
-        engine = Engine(model, cfg, slots, width, max_blocks, backend, device, pool_tokens, previous=engine)
+        engine = Engine(model, cfg, slots, shape_bucket(width), max_blocks, backend, device, pool_tokens,
+                        previous=engine)
         model._blockdiff_engine = engine
     return engine
 
@@ -302,10 +313,11 @@ def _cache_plan(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], w
                 engine: Engine | None, device: torch.device) -> tuple[int, int]:
     """(slots, pool tokens) under the KV-cache budget (docs/architecture.md, "The cache"): every slot a canvas of `width`
     (twice with guidance), less the prefix pages the samples of a prompt share, plus a tail page per slot and the
-    prefix store; the pool never exceeds the budget (prompts short of pages wait)."""
+    prefix store; the pool, sized for canvases of the width's `shape_bucket` (later calls reuse the engine), never
+    exceeds the budget (prompts short of pages wait)."""
     page, guided, stored = cfg.runtime.page_size, cfg.cfg_scale > 0, cfg.runtime.prefix_cache_tokens
-    canvas = math.ceil(width / page) * page * (2 if guided else 1)
-    unbounded = slots * (canvas + page) + stored
+    canvas, bucket = (math.ceil(w / page) * page * (2 if guided else 1) for w in (width, shape_bucket(width)))
+    unbounded = slots * (bucket + page) + stored
     budget = cfg.runtime.max_cache_tokens
     if budget is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -322,4 +334,4 @@ def _cache_plan(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], w
         first, _, _ = geometry(torch.tensor([len(p) for p in prompts]), cfg)
         shared = int(first.min()) // page * page * (samples - 1) // samples  # per slot, on average
     slots = min(slots, max(1, (budget - stored) // (canvas + page - shared)))
-    return slots, min(budget, slots * (canvas + page) + stored)
+    return slots, min(budget, slots * (bucket + page) + stored)

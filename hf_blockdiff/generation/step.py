@@ -32,9 +32,18 @@ PHASES = ("plan", "stored", "score_request", "conclude")  # the scheduler's call
 @functools.cache
 def compiled_phase(name: str):
     """`Scheduler.<name>` through torch.compile: one function per phase for every scheduler, so every engine shares
-    one dynamo cache, where a configuration takes one or two entries (past dynamo's recompile limit of 8 a further
-    configuration runs eager, with dynamo's warning and `hf-blockdiff bench`'s report)."""
-    return torch.compile(getattr(Scheduler, name))
+    one dynamo cache, where a configuration takes one entry (past dynamo's recompile limit of 8 a further
+    configuration runs eager, with dynamo's warning and `hf-blockdiff bench`'s report). Its sizes (slots, canvas
+    width, blocks) are traced as symbols, each its own (no duck sizing: slots equal to the block size by chance would
+    tie them), so an engine of another shape reuses the compiled phases instead of recompiling them."""
+    compiled = torch.compile(getattr(Scheduler, name), dynamic=True)
+
+    @functools.wraps(getattr(Scheduler, name))
+    def phase(*args, **kwargs):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return phase
 
 
 class DecodeStep:

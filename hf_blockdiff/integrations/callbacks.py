@@ -9,6 +9,7 @@ from typing import Callable
 from transformers import TrainerCallback
 
 from ..config import BlockDiffusionConfig
+from . import compile_cache as compile_caches
 from .distributed import generate_distributed
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,9 @@ class BlockDiffusionEvalCallback(TrainerCallback):
     Also logged: num_forwards (batched forwards of the generation), tokens_per_forward (tokens committed per decoding
     step of a prompt, as `BlockDiffusionOutput.tokens_per_forward`, whatever the batch size) and tok_s.
     every_n_evals: generate at the first evaluation and every n-th after it.
+    compile_cache: a directory of torch.compile artifacts (`hf-blockdiff warmup`, integrations/compile_cache.py):
+    loaded when training begins, so the first evaluation's generation reads what an earlier run compiled, and saved
+    after that generation, for the next run.
 
     The metrics join the dict `Trainer.evaluate` returns (so `metric_for_best_model="eval_blockdiff_accuracy"` works)
     and `trainer.state.log_history`. Pass `trainer=` to log them through `trainer.log`, which also reaches the
@@ -45,7 +49,7 @@ class BlockDiffusionEvalCallback(TrainerCallback):
 
     def __init__(self, prompts: list, references: list | None = None, config: BlockDiffusionConfig | None = None,
                  scorer: Callable | None = None, every_n_evals: int = 1, tokenizer=None, batch_size: int = 16,
-                 chat: bool = False, trainer=None):
+                 chat: bool = False, trainer=None, compile_cache: str | None = None):
         if references is not None and len(references) != len(prompts):
             raise ValueError(f"references has {len(references)} entries for {len(prompts)} prompts.")
         if not isinstance(every_n_evals, int) or every_n_evals < 1:
@@ -53,8 +57,12 @@ class BlockDiffusionEvalCallback(TrainerCallback):
         self.prompts, self.references, self.config = list(prompts), references, config
         self.scorer = scorer if scorer is not None else (exact_match if references is not None else None)
         self.every_n_evals, self.tokenizer, self.batch_size, self.chat = every_n_evals, tokenizer, batch_size, chat
-        self.trainer = trainer
+        self.trainer, self.compile_cache = trainer, compile_cache
         self.evaluations = 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.compile_cache is not None and model is not None:
+            compile_caches.load(model, self.compile_cache)
 
     def on_evaluate(self, args, state, control, model=None, metrics=None, processing_class=None, **kwargs):
         self.evaluations += 1
@@ -67,6 +75,8 @@ class BlockDiffusionEvalCallback(TrainerCallback):
         finally:
             for module, training in modes.items():
                 module.training = training
+        if self.compile_cache is not None and self.evaluations == 1 and state.is_world_process_zero:
+            compile_caches.save(model, self.compile_cache)
         logs = {
             "num_forwards": results.num_forwards,
             "tokens_per_forward": results.tokens_per_forward,

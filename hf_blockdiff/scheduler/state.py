@@ -70,7 +70,7 @@ refinement step (no mask at its start) and `refining` whether the block keeps re
 
 class DecodeState:
     def __init__(self, rows: int, width: int, max_blocks: int, cfg: BlockDiffusionConfig, device: torch.device):
-        self.cfg, self.width, self.block_size = cfg, width, cfg.block_size
+        self.cfg, self.block_size = cfg, cfg.block_size
 
         def zeros(*shape, dtype=torch.long, fill=0):
             return torch.full(shape, fill, dtype=dtype, device=device)
@@ -97,6 +97,11 @@ class DecodeState:
     @property
     def num_rows(self) -> int:
         return self.canvas.shape[0]
+
+    @property
+    def width(self) -> int:
+        """Canvas positions per slot (a size of the canvas: compiled bookkeeping traces it as a dimension)."""
+        return self.canvas.shape[1] - 1
 
     def fits(self, rows: int, width: int, max_blocks: int) -> bool:
         return rows == self.num_rows and width <= self.width and max_blocks <= len(self.block_index)

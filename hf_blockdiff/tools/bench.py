@@ -24,6 +24,7 @@ from ..cache.keyword import cache_kwarg
 from ..config import ATTENTION_BACKENDS, BlockDiffusionConfig
 from ..config.checks import decoded_block_size
 from ..generation.hf_conventions import as_given
+from ..integrations import compile_cache
 from ..integrations.checkpoint import check_device
 from ..integrations.distributed import is_main_process, launch_size
 from ..patching import free_cache
@@ -144,7 +145,25 @@ def _settings(args, model, mask_id: int):
     return as_given(cfg), llada_loop if bidirectional else reference_loop
 
 
+def _new_shape_calls(model, cfg: BlockDiffusionConfig, args, vocab: int) -> tuple:
+    """A call at another prompt length (3/4 of it, plus one) and batch size (half, or one more below 4), as an eval
+    loop's next batch makes it, then the same call warm: (new shape call, warm call)."""
+    batch = args.batch_size + 1 if args.batch_size < 4 else args.batch_size // 2
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, vocab, (batch, args.prompt_len * 3 // 4 + 1), generator=generator).to(model.device)
+
+    def call():
+        return model.generate_multi_block(prompts, cfg, return_dict=True).num_forwards
+
+    return tuple(measure(f"hf_blockdiff (new shape{name})", call, args.device, batch * args.new_tokens, batch)
+                 for name in (" call", ", warm"))
+
+
 def bench(args) -> dict:
+    if args.compile_cache and (SHAPES[args.shape]["model_type"] == "diffusion_gemma" or args.num_return_sequences > 1
+                               or args.shared_prefix):
+        raise ValueError("--compile-cache times the block-decoding bench's first call: drop it with "
+                         "--num-return-sequences, --shared-prefix and the diffusion-gemma shapes.")
     if SHAPES[args.shape]["model_type"] == "diffusion_gemma":
         from .diffusion_gemma_bench import bench as diffusion_gemma_bench
 
@@ -161,17 +180,23 @@ def bench(args) -> dict:
     if args.num_return_sequences > 1 or args.shared_prefix:
         return _rollout_report(args, model, cfg, prompts)
     results = []
+    loaded = compile_cache.load(model, args.compile_cache) if args.compile_cache else None
 
     def ours():
         return model.generate_multi_block(prompts, cfg, return_dict=True).num_forwards
 
     first = measure("hf_blockdiff (first call)", ours, device, tokens, args.batch_size)
     results.append(measure("hf_blockdiff", ours, device, tokens, args.batch_size))
+    new_shape = _new_shape_calls(model, cfg, args, min(vocab, mask_id) - 1)
     free_cache(model)  # the reference gets the memory of our KV cache and graphs
     if not args.skip_reference:
         results.append(measure(f"reference ({reference.__name__})", lambda: reference(model, prompts, cfg), device,
                                 tokens, args.batch_size))
     report = make_report(args, _device_name(args), first, results)
+    report["new_shape_call"] = new_shape[0].row()  # another prompt length and batch size, after the first shape
+    report["new_shape_overhead_s"] = round(new_shape[0].seconds - new_shape[1].seconds, 3)  # less its warm time
+    if args.compile_cache:
+        report["compile_cache"] = {"loaded": loaded, "saved": str(compile_cache.save(model, args.compile_cache))}
     if model.config.model_type == LLADA2 and device.startswith("cuda") and not args.tensor_parallel:
         from .moe_timing import moe_against_dense
 
@@ -211,7 +236,9 @@ def _rollout_report(args, model, cfg: BlockDiffusionConfig, prompts: torch.Tenso
 def print_report(report: dict) -> None:
     print(f"device: {report['device']}   settings: {json.dumps(report['settings'])}")
     print(f"{'run':<30}{'seconds':>9}{'tok/s':>10}{'ms/forward':>12}{'NFE':>8}{'TPF':>8}{'peak GiB':>10}")
-    for row in [report["first_call"], *report["results"]]:
+    rows = [report["first_call"], *report["results"], *([report["new_shape_call"]] if "new_shape_call" in report
+                                                         else [])]
+    for row in rows:
         print(f"{row['name']:<30}{row['seconds']:>9.2f}{row['tok_s']:>10.1f}{row['ms_per_forward']:>12.2f}"
               f"{row['forwards']:>8}{row['tokens_per_forward']:>8.2f}{row['peak_gib']:>10.2f}")
     if "kv_ratio" in report:
@@ -219,6 +246,9 @@ def print_report(report: dict) -> None:
     elif "speedup" in report:
         print(f"speedup: {report['speedup']}x   first-call overhead (compile, graph capture, warm-up): "
               f"{report['first_call_overhead_s']} s")
+    if "new_shape_overhead_s" in report:
+        print(f"new-shape call overhead (another prompt length and batch size, less its warm time): "
+              f"{report['new_shape_overhead_s']} s")
     for hit in report["recompile_limits_hit"]:
         print(f"warning: {hit} (it ran eager from then on: the times above are not the compiled path's)")
 
@@ -303,6 +333,8 @@ def add_parser(commands) -> None:
                         help="torch.compile the decoder layers and the step's bookkeeping: auto, on, off (default: "
                         "%(default)s, the config's compile=None)")
     parser.add_argument("--skip-reference", action="store_true", help="time hf_blockdiff only (default: off)")
+    parser.add_argument("--compile-cache", metavar="DIR", help="load torch.compile's artifacts of this model from DIR "
+                        "before the first call and save them after (`hf-blockdiff warmup`; default: none)")
     parser.add_argument("--kernels", action="store_true",
                         help="run the kernel microbenchmarks instead (default: off)")
     parser.add_argument("--flex", action="store_true",

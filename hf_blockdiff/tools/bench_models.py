@@ -3,6 +3,8 @@ optionally quantized weight-only or sharded with transformers' tp_plan (`hf-bloc
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from ..integrations.distributed import init_tensor_parallel, launch_size, load_sharded
@@ -138,3 +140,14 @@ def _tensor_parallel_model(shape: str, model_path: str | None, device: str, dtyp
     state, config, kind = {k: v.cpu() for k, v in whole.state_dict().items()}, whole.config, type(whole)
     del whole
     return load_sharded(kind, None, launch_size(), device, config=config, state_dict=state, dtype=dtype).eval()
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """A command-line list of batch sizes, "1,32,128"."""
+    try:
+        sizes = tuple(int(value) for value in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass positive batch sizes, comma-separated (e.g. 1,32,128)")
+    return sizes

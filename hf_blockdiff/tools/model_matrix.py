@@ -26,7 +26,7 @@ from ..config import BlockDiffusionConfig
 from ..generation.hf_conventions import as_given
 from ..patching import free_cache
 from ..config.profiles import model_profile
-from .bench_models import SHAPES, build_model
+from .bench_models import SHAPES, build_model, parse_batch_sizes
 from .measure import measure, recompile_limits_hit
 
 PATHS = {"fast": {}, "eager-sdpa": dict(attention_backend="sdpa", cuda_graphs=False, compile=False)}
@@ -202,22 +202,12 @@ def _names(text: str) -> list[str]:
     return names
 
 
-def _batches(text: str) -> tuple[int, ...]:
-    try:
-        batches = tuple(int(value) for value in text.split(","))
-    except ValueError:
-        batches = ()
-    if not batches or min(batches) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: pass positive batch sizes, comma-separated (e.g. 1,8)")
-    return batches
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m hf_blockdiff.tools.model_matrix", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", type=_names, default=list(FAMILIES),
                         help=f"shapes to run, comma-separated (default: {','.join(FAMILIES)})")
-    parser.add_argument("--batches", type=_batches, default=None,
+    parser.add_argument("--batches", type=parse_batch_sizes, default=None,
                         help="batch sizes of every family, comma-separated (default: each family's: 1,8,128; the "
                         "largest MoE models 1,8,16)")
     parser.add_argument("--layers", type=int, default=None,

@@ -1,0 +1,139 @@
+"""Portable compile caches: the artifacts torch.compile made while a model decoded, saved to a directory the user
+names and loaded by a fresh process before its first call, so that call reads what an earlier process compiled
+instead of compiling it (docs/architecture.md, "Around the loop"). `warmup` fills the directory, e.g. in an image
+build or before training starts (`hf-blockdiff warmup`).
+
+Our own Triton kernels are compiled by Triton, not torch.compile: `load` points Triton's cache (`TRITON_CACHE_DIR`,
+for the whole process) into the directory's `triton/` unless the variable is set, so their binaries travel too
+(Triton keys them by source, version and GPU). A file holds one model's artifacts (its config, dtype and
+tensor-parallel size) for one environment (torch, triton, GPU); the directory keeps the newest `MAX_FILES`. Several
+processes may save at once (torchrun ranks): each writes a file of its own and renames it into place, so a reader
+sees a whole file. A directory that cannot be read or written, or holds only other environments' artifacts, gives a
+warning naming the cause and a cold start."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..patching import free_cache
+from ..weights.tensor_parallel import tensor_parallel_size
+
+MAX_FILES = 16
+
+
+def environment() -> dict:
+    """What compiled artifacts are valid for: torch, triton and the GPU (or the CPU)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"torch": torch.__version__, "triton": triton_version, "device": device}
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def model_key(model) -> str:
+    """The model's shapes (its config but names and versions), dtype and tensor-parallel size."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    return _digest([config, str(next(model.parameters()).dtype), tensor_parallel_size(model)])
+
+
+def cache_file(model, directory: str | os.PathLike) -> Path:
+    return Path(directory) / f"{model_key(model)}-{_digest(environment())}.bin"
+
+
+def load(model, directory: str | os.PathLike) -> bool:
+    """Load the artifacts saved for this model and environment into torch's caches, and point Triton's cache into
+    the directory; False (with a warning where the directory says why) when there are none."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(directory).resolve() / "triton"))
+    path = cache_file(model, directory)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        _warn_other_environments(model, Path(directory))
+        return False
+    except OSError as error:
+        warnings.warn(f"compile cache {directory}: cannot read {path.name} ({error}); the first call compiles.")
+        return False
+    try:
+        info = torch.compiler.load_cache_artifacts(data)
+    except Exception as error:  # a damaged file is a cold start, never a crash
+        info, data = None, f"{type(error).__name__}: {error}"
+    if info is None:  # torch logs what it refused and returns None
+        warnings.warn(f"compile cache {path}: not loadable{'' if isinstance(data, bytes) else f' ({data})'}; the "
+                      "first call compiles.")
+        return False
+    return True
+
+
+def _warn_other_environments(model, directory: Path) -> None:
+    mine = environment()
+    for sidecar in sorted(directory.glob(f"{model_key(model)}-*.json")):
+        try:
+            theirs = json.loads(sidecar.read_text())
+        except (OSError, ValueError):
+            continue
+        differ = ", ".join(f"{name} {theirs.get(name)} there, {value} here" for name, value in mine.items()
+                           if theirs.get(name) != value)
+        warnings.warn(f"compile cache {directory}: its artifacts of this model are for another environment ({differ}); "
+                      "the first call compiles (run the warmup in this environment to add its own).")
+        return
+
+
+def save(model, directory: str | os.PathLike) -> Path | None:
+    """Save what this process compiled (and loaded) for this model and environment; None, with a warning when the
+    directory is not writable, or when nothing was compiled."""
+    artifacts = torch.compiler.save_cache_artifacts()
+    if artifacts is None or not artifacts[0]:
+        return None
+    path = cache_file(model, directory)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for target, data in ((path, artifacts[0]), (path.with_suffix(".json"), json.dumps(environment()).encode())):
+            partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+            partial.write_bytes(data)
+            os.replace(partial, target)
+        _keep_newest(path.parent)
+    except OSError as error:
+        warnings.warn(f"compile cache {directory}: not writable ({error}); nothing saved, the next process compiles.")
+        return None
+    return path
+
+
+def _keep_newest(directory: Path) -> None:
+    files = sorted(directory.glob("*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in files[MAX_FILES:]:
+        old.unlink(missing_ok=True)
+        old.with_suffix(".json").unlink(missing_ok=True)
+
+
+def warmup(model, directory: str | os.PathLike, batch_sizes=(1, 32, 128), prompt_len: int = 256,
+           config=None) -> Path | None:
+    """Decode random prompts of `prompt_len` tokens at each batch size with `config` (None: the model's defaults,
+    64 new tokens, every one decoded: no stop ids), so every compile those calls need happens now, and save the
+    artifacts to `directory`."""
+    from ..config import BlockDiffusionConfig
+
+    if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
+        raise ValueError(f"batch_sizes={batch_sizes!r}: pass positive integers (e.g. (1, 32, 128)).")
+    load(model, directory)
+    config = config if config is not None else BlockDiffusionConfig(max_new_tokens=64, eos_token_id=[])
+    text = model.config.get_text_config()
+    top = min(text.vocab_size, getattr(text, "mask_token_id", None) or text.vocab_size) - 1
+    generator = torch.Generator().manual_seed(0)
+    for batch in batch_sizes:
+        ids = torch.randint(0, top, (batch, prompt_len), generator=generator).to(model.device)
+        model.generate_multi_block(ids, config)
+    free_cache(model)
+    return save(model, directory)

@@ -1,0 +1,117 @@
+"""Portable compile caches (integrations/compile_cache.py): artifacts saved per model and environment, loaded by a
+fresh process; an unreadable, unwritable, damaged or foreign directory is a warning and a cold start."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hf_blockdiff.cli import main
+from hf_blockdiff.integrations import compile_cache
+
+from helpers import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def triton_cache(tmp_path, monkeypatch):
+    """`load` points Triton's cache into the directory for the whole process: here, for this test only."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-of-this-test"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Something this process compiled, so there are artifacts to save."""
+    function = torch.compile(lambda x: x.sin() * 2 + 1)
+    return function(torch.ones(3))
+
+
+def test_saved_artifacts_load_in_a_fresh_process(model, compiled, tmp_path):
+    path = compile_cache.save(model, tmp_path)
+    assert path == compile_cache.cache_file(model, tmp_path) and path.stat().st_size > 0
+    assert json.loads(path.with_suffix(".json").read_text()) == compile_cache.environment()
+    code = textwrap.dedent(f"""
+        import torch, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from helpers import tiny_model
+        from hf_blockdiff.integrations import compile_cache
+        print(compile_cache.load(tiny_model("qwen3"), {str(tmp_path)!r}))""")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert loaded.stdout.split()[-1] == "True"
+
+
+def test_the_key_follows_shapes_and_dtype(model, tmp_path):
+    other = tiny_model("qwen3", hidden_size=32)
+    assert compile_cache.model_key(model) != compile_cache.model_key(other)
+    assert compile_cache.model_key(model) != compile_cache.model_key(tiny_model("qwen3").to(torch.bfloat16))
+    assert compile_cache.model_key(model) == compile_cache.model_key(tiny_model("qwen3", seed=5))  # weights aside
+
+
+def test_another_environment_warns_and_starts_cold(model, compiled, tmp_path):
+    path = compile_cache.save(model, tmp_path)
+    sidecar = path.with_suffix(".json")
+    foreign = tmp_path / f"{compile_cache.model_key(model)}-0000000000000000.json"
+    foreign.write_text(json.dumps({**compile_cache.environment(), "torch": "2.0.0"}))
+    path.unlink()
+    sidecar.unlink()
+    expected = re.escape(f"another environment (torch 2.0.0 there, {torch.__version__} here)")
+    with pytest.warns(UserWarning, match=expected):
+        assert compile_cache.load(model, tmp_path) is False
+
+
+def test_a_damaged_file_or_a_directory_that_is_not_one_warns(model, compiled, tmp_path):
+    compile_cache.cache_file(model, tmp_path).write_bytes(b"not artifacts")
+    with pytest.warns(UserWarning, match="not loadable"):
+        assert compile_cache.load(model, tmp_path) is False
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with pytest.warns(UserWarning, match="not writable"):
+        assert compile_cache.save(model, blocked) is None
+    assert compile_cache.load(model, tmp_path / "missing") is False  # nothing there yet: no warning
+
+
+def test_the_directory_keeps_the_newest_files(model, compiled, tmp_path):
+    for index in range(compile_cache.MAX_FILES + 4):
+        old = tmp_path / f"old{index}.bin"
+        old.write_bytes(b"x")
+        os.utime(old, (index, index))
+    path = compile_cache.save(model, tmp_path)
+    kept = sorted(p.name for p in tmp_path.glob("*.bin"))
+    assert len(kept) == compile_cache.MAX_FILES and path.name in kept and "old0.bin" not in kept
+
+
+def test_warmup_decodes_each_batch_size_then_saves(model, compiled, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(model, "generate_multi_block", lambda ids, config: calls.append(tuple(ids.shape)))
+    path = compile_cache.warmup(model, tmp_path, batch_sizes=(1, 3), prompt_len=5)
+    assert calls == [(1, 5), (3, 5)] and path.exists()
+    with pytest.raises(ValueError, match=r"batch_sizes=\(0,\)"):
+        compile_cache.warmup(model, tmp_path, batch_sizes=(0,))
+
+
+def test_the_warmup_command(tmp_path, capsys):
+    args = ["warmup", "--cache-dir", str(tmp_path), "--shape", "tiny", "--batch-sizes", "1,2", "--prompt-len", "6",
+            "--new-tokens", "4", "--device", "cpu", "--dtype", "float32"]
+    assert main(args) == 0
+    assert capsys.readouterr().out.startswith(("compile artifacts saved to", "nothing was compiled"))
+    with pytest.raises(SystemExit):
+        main([*args[:5], "--batch-sizes", "0,2"])
+    assert "pass positive batch sizes" in capsys.readouterr().err
+
+
+def test_triton_caches_into_the_directory_unless_told_otherwise(model, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    compile_cache.load(model, tmp_path)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path.resolve() / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    compile_cache.load(model, tmp_path)
+    assert os.environ["TRITON_CACHE_DIR"] == "/elsewhere"

@@ -1,0 +1,66 @@
+"""Eval loops start fast (docs/architecture.md, "The cache"): engines come in a few slot counts and canvas widths, so
+calls of other prompt lengths and batch sizes reuse one, and the compiled bookkeeping traces its sizes as symbols,
+so an engine of another shape compiles nothing."""
+
+import torch
+from torch._dynamo.utils import counters
+
+from hf_blockdiff import BlockDiffusionConfig, free_cache
+from hf_blockdiff.generation import engine as engine_module
+from hf_blockdiff.generation.engine import shape_bucket
+from hf_blockdiff.generation.step import DecodeStep
+from hf_blockdiff.tools.measure import recompile_limits_hit
+
+from helpers import MASK, left_pad, random_prompts
+
+CFG = dict(mask_token_id=MASK, block_size=4, max_new_tokens=8, eos_token_id=[], attention="block_causal",
+           temperature=0.8)
+
+
+def test_shape_buckets_are_few_and_at_most_half_again_as_large():
+    sizes = range(1, 5000)
+    assert all(size <= shape_bucket(size) <= max(size, 1.5 * size) for size in sizes)
+    assert len({shape_bucket(size) for size in sizes}) == 25  # 1, 2, 3, 4, 6, 8, 12, ..., 4096, 6144
+    assert [shape_bucket(n) for n in (1, 5, 7, 33, 456, 513, 640)] == [1, 6, 8, 48, 512, 768, 768]
+
+
+def _call(model, lengths, seed, **fields):
+    ids, mask = left_pad(random_prompts(lengths, seed=seed))
+    cfg = BlockDiffusionConfig(**CFG, **fields)
+    return model.generate_multi_block(ids, cfg, attention_mask=mask, generator=torch.Generator().manual_seed(seed))
+
+
+def test_calls_of_other_lengths_and_batch_sizes_reuse_the_engine_of_their_bucket(qwen3):
+    free_cache(qwen3)
+    _call(qwen3, (20, 9, 14, 17, 5), seed=1)  # 5 prompts: 6 slots; 20 + 8 new tokens: a canvas of 32
+    engine = qwen3._blockdiff_engine
+    assert (engine.state.num_rows, engine.state.width) == (6, 32)
+    for lengths in [(11, 3, 7, 19, 8, 4), (21, 6, 2, 13, 10)]:  # 6 and 5 prompts, narrower canvases
+        reused = _call(qwen3, lengths, seed=2)
+        assert qwen3._blockdiff_engine is engine
+        free_cache(qwen3)
+        assert torch.equal(_call(qwen3, lengths, seed=2), reused)  # a fresh engine's tokens
+        _call(qwen3, (20, 9, 14, 17, 5), seed=1)
+        engine = qwen3._blockdiff_engine
+
+
+def _compiled_step(scheduler, executor, _):
+    return DecodeStep(scheduler, executor, True)
+
+
+def test_compiled_bookkeeping_compiles_nothing_after_the_first_call(qwen3, monkeypatch):
+    """Eight shapes, batch sizes 2 to 8 (a size-1 dimension would specialize: one compile more for single prompts),
+    the step's bookkeeping forced through torch.compile as on CUDA: every compile happens in the first call."""
+    free_cache(qwen3)
+    torch._dynamo.reset()  # what earlier tests compiled: this one counts its own first call's compiles
+    monkeypatch.setattr(engine_module, "DecodeStep", _compiled_step)
+    shapes = [(4, 16), (4, 40), (8, 16), (2, 100), (6, 30), (3, 60), (8, 80), (5, 9)]
+    with recompile_limits_hit() as hits:
+        frames = []
+        for index, (batch, longest) in enumerate(shapes):
+            before = counters["frames"]["ok"]
+            _call(qwen3, [longest - row for row in range(batch)], seed=index, cuda_graphs=True)
+            frames.append(counters["frames"]["ok"] - before)
+    free_cache(qwen3)
+    assert frames[0] > 0 and frames[1:] == [0] * 7, frames
+    assert hits == []
