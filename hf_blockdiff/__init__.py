@@ -47,8 +47,8 @@ class _MovedModules(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         old = fullname.removeprefix(f"{__name__}.")
         if old in MOVED:
-            raise ImportError(f"{fullname} moved to {__name__}.{MOVED[old]} (CHANGELOG.md, \"Moved\"): import "
-                                      "it from there", name=fullname)
+            raise ImportError(f"{fullname} moved to {__name__}.{MOVED[old]} (CHANGELOG.md, \"Moved\"): import it "
+                              "from there", name=fullname)
         return None
 
 

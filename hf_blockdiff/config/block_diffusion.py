@@ -10,7 +10,7 @@ from typing import Any
 
 from .checks import (
     check_against_profile, check_canvas_fields, check_editing_fields, check_ids, check_minimal_topk, check_modes,
-    decoded_block_size, fail,
+    decoded_block_size, fail, is_int, is_number,
 )
 from .record import explicit_fields, record_passed_fields
 from .runtime import (
@@ -28,14 +28,6 @@ FORCED_TOKEN_SCOPES = ("lowest_full_block", "all_active")
 
 # fields a model profile may fill in when the user leaves them unset
 PROFILE_FIELDS = ("mask_token_id", "block_size", "attention", "alignment", "logit_shift", "eos_token_id", "pad_token_id")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -201,11 +193,11 @@ class BlockDiffusionConfig:
                 fail(field.name, value, "pass a finite number")
         for name in ("block_size", "steps_per_block", "max_new_tokens", "max_active_blocks"):
             value = getattr(self, name)
-            if (value is not None or name == "max_new_tokens") and (not _is_int(value) or value <= 0):
+            if (value is not None or name == "max_new_tokens") and (not is_int(value) or value <= 0):
                 fail(name, value, "pass a positive integer")
         for name, low in (("max_forwards", 1), ("max_repeat_run", 2)):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < low):
+            if value is not None and (not is_int(value) or value < low):
                 fail(name, value, f"pass an integer ≥ {low}, or None for no limit")
         if self.max_repeat_run is not None and self.eos_fill:
             fail("max_repeat_run", self.max_repeat_run, "a repeated run is cut with the pad id, which eos_fill "
@@ -224,7 +216,7 @@ class BlockDiffusionConfig:
             fail("temperature", self.temperature, "pass 0 for greedy decoding or a positive float to sample")
         if not isinstance(self.top_k, int):
             fail("top_k", self.top_k, "pass an integer (≤ 0 disables top-k)")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             fail("top_p", self.top_p, "pass a float in (0, 1] (1 disables top-p)")
         check_minimal_topk(self)
         check_canvas_fields(self)

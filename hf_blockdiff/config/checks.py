@@ -16,6 +16,14 @@ def fail(name: str, value: Any, fix: str) -> None:
     raise ValueError(f"BlockDiffusionConfig.{name}={value!r} is invalid: {fix}")
 
 
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_modes(cfg) -> None:
     """Modes that exclude each other, once attention and alignment are known."""
     if cfg.approx_cache != "none" and (cfg.attention != "bidirectional" or cfg.max_active_blocks != 1):
@@ -100,7 +108,7 @@ def check_minimal_topk(cfg) -> None:
     """minimal_topk caps the steps per block at max_new_tokens // minimal_topk (diffusers' LLaDA2Pipeline, which
     bounds it by the generation's length only: a k above the block size leaves one step per block)."""
     k, bound = cfg.minimal_topk, cfg.max_new_tokens
-    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= bound):
+    if k is not None and (not is_int(k) or not 1 <= k <= bound):
         fail("minimal_topk", k, f"pass a positive integer ≤ max_new_tokens ({bound} here), or None "
              "for no cap on the steps")
 
@@ -123,20 +131,20 @@ def check_canvas_fields(cfg) -> None:
     """DiffusionGemma's canvas settings (docs/fidelity.md, "DiffusionGemma"), where they are set."""
     steps, bound, stability, confidence = (cfg.max_denoising_steps, cfg.entropy_bound, cfg.stop_stability,
                                            cfg.stop_confidence)
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+    if steps is not None and (not is_int(steps) or steps < 1):
         fail("max_denoising_steps", steps, "pass a positive integer (denoising steps per canvas)")
-    if bound is not None and (not _number(bound) or bound < 0):
+    if bound is not None and (not is_number(bound) or bound < 0):
         fail("entropy_bound", bound, "pass a non-negative float (a larger bound accepts more tokens per step)")
     for name in ("t_max", "t_min"):
-        if getattr(cfg, name) is not None and (not _number(getattr(cfg, name)) or getattr(cfg, name) < 0):
+        if getattr(cfg, name) is not None and (not is_number(getattr(cfg, name)) or getattr(cfg, name) < 0):
             fail(name, getattr(cfg, name), "pass a non-negative temperature")
     if cfg.t_max is not None and cfg.t_min is not None and cfg.t_min > cfg.t_max:
         fail("t_min", cfg.t_min, f"the schedule runs from t_max down to t_min: pass t_min ≤ t_max={cfg.t_max}")
     if cfg.t_max is not None and cfg.t_max == 0:
         fail("t_max", cfg.t_max, "the temperature divides the logits: pass t_max > 0")
-    if stability is not None and (isinstance(stability, bool) or not isinstance(stability, int) or stability < 0):
+    if stability is not None and (not is_int(stability) or stability < 0):
         fail("stop_stability", stability, "pass a number of steps ≥ 0 (0: a canvas is stable at once)")
-    if confidence is not None and (not _number(confidence) or confidence <= 0):
+    if confidence is not None and (not is_number(confidence) or confidence <= 0):
         fail("stop_confidence", confidence, "pass a mean entropy > 0 (a tiny one turns adaptive stopping off)")
     if cfg.noise not in ("counter", "torch"):
         fail("noise", cfg.noise, "choose 'counter' (the fast path) or 'torch' (transformers' random stream)")
@@ -176,24 +184,20 @@ def check_canvas_config(cfg) -> None:
                  "once and keeps no prefix store: leave it unset")
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def check_editing_fields(cfg) -> None:
     """The fields of editable decoding (LLaDA2.1, Diffulex's edit/DMax rules)."""
     value = cfg.editing_threshold
-    if value is not None and (not _number(value) or not 0.0 < value <= 1.0):
+    if value is not None and (not is_number(value) or not 0.0 < value <= 1.0):
         fail("editing_threshold", value, "pass a confidence in (0, 1], or None to turn editing off")
     steps = cfg.max_post_steps
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+    if not is_int(steps) or steps < 0:
         fail("max_post_steps", steps, "pass a non-negative integer (refinement steps after a block is filled)")
     rules = (("remask_threshold", cfg.remask_threshold is not None, "pass a confidence in (0, 1], or None to "
-              "turn remasking off", lambda v: v is None or (_number(v) and 0.0 < v <= 1.0)),
+              "turn remasking off", lambda v: v is None or (is_number(v) and 0.0 < v <= 1.0)),
              ("stability_threshold", cfg.stability_threshold != 1.0, "pass a fraction in [0, 1] (1: a block "
-              "stops refining only after a step that changes nothing)", lambda v: _number(v) and 0 <= v <= 1),
+              "stops refining only after a step that changes nothing)", lambda v: is_number(v) and 0 <= v <= 1),
              ("edit_penalty", cfg.edit_penalty != 0.0, "pass a non-negative number (0: off)",
-              lambda v: _number(v) and v >= 0))
+              lambda v: is_number(v) and v >= 0))
     for name, used, fix, valid in rules:
         if not valid(getattr(cfg, name)):
             fail(name, getattr(cfg, name), fix)

@@ -9,7 +9,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from .checks import fail
+from .checks import fail, is_int
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flash_attn")
 
@@ -55,20 +55,16 @@ class RuntimeOptions:
                 fail(f"runtime.{name}", getattr(self, name), "pass True, False or None (automatic)")
         for name in ("page_size", "max_cache_tokens", "max_batch_size"):
             value = getattr(self, name)
-            if (value is not None or name == "page_size") and (not _is_int(value) or value <= 0):
+            if (value is not None or name == "page_size") and (not is_int(value) or value <= 0):
                 fail(f"runtime.{name}", value, "pass a positive integer" + ("" if name == "page_size" else " or None"))
         if self.page_size & (self.page_size - 1):
             fail("runtime.page_size", self.page_size, "pass a power of two (16, 32, 64, ...)")
         tokens = self.prefix_cache_tokens
-        if not _is_int(tokens) or tokens < 0:
+        if not is_int(tokens) or tokens < 0:
             fail("runtime.prefix_cache_tokens", tokens, "pass a number of tokens (0 turns the prefix store off)")
 
 
 RUNTIME_FIELDS = tuple(field.name for field in dataclasses.fields(RuntimeOptions))
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def with_runtime(fields: dict, runtime: RuntimeOptions | None = None) -> dict:

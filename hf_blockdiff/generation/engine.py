@@ -296,8 +296,8 @@ def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor],
     `shape_bucket`s: slots and canvas width."""
     width, max_blocks = plan_shapes([len(p) for p in prompts], cfg)
     engine = getattr(model, "_blockdiff_engine", None)
-    limit = cfg.runtime.max_batch_size or shape_bucket(len(prompts))  # never more rows at once than max_batch_size
-    wanted = min(shape_bucket(min(len(prompts), limit)), limit)
+    cap = cfg.runtime.max_batch_size or math.inf  # never more rows at once than max_batch_size
+    wanted = min(shape_bucket(min(len(prompts), cap)), cap)
     slots, pool_tokens = _cache_plan(model, cfg, prompts, width, wanted, samples, engine, device)
     if cfg.runtime.max_cache_tokens is None and engine is not None and slots < engine.state.num_rows <= wanted:
         slots = engine.state.num_rows  # already allocated: a budget measured now misses what its buffers hold

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import BlockDiffusionConfig
 from ..patching import free_cache
 from ..weights.tensor_parallel import tensor_parallel_size
 
@@ -123,8 +124,6 @@ def warmup(model, directory: str | os.PathLike, batch_sizes=(1, 32, 128), prompt
     """Decode random prompts of `prompt_len` tokens at each batch size with `config` (None: the model's defaults,
     64 new tokens, every one decoded: no stop ids), so every compile those calls need happens now, and save the
     artifacts to `directory`."""
-    from ..config import BlockDiffusionConfig
-
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes={batch_sizes!r}: pass positive integers (e.g. (1, 32, 128)).")
     load(model, directory)
