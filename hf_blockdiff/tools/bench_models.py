@@ -48,6 +48,17 @@ SHAPES = {
     # experts of 512 in 8 groups, top 8, 1 shared, first layer dense; inclusionAI/LLaDA2.1-mini's config.json has the
     # same sizes); mask id 156895 from the profile
     "llada2-mini": dict(model_type="llada2_moe"),
+    # LLaDA2.0-flash (100B-A6B, continued from Ling-flash-2.0): the config.json inclusionAI ships for it in dFactory
+    # (github.com/inclusionAI/dFactory, configs/model_configs/llada2_flash/config.json; the Hub's own config.json was
+    # not found in a source we could read): 32 layers of 4096, 32/4 heads of 128, the first layer dense (9216), then
+    # 256 experts of 1024 in 8 groups, top 4 groups, top 8, 1 shared; vocabulary 157184, context 16384. Everything
+    # else (rope 600000 on half of each head, sigmoid routing scaled 2.5, untied embeddings) is LLaDA2.0-mini's, our
+    # defaults. About 103B parameters: 206 GB in bf16, 105 GB per GPU over 2 (the attention is kept whole).
+    "llada2-flash": dict(model_type="llada2_moe", hidden_size=4096, intermediate_size=9216, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=256,
+                         num_experts_per_tok=8, n_group=8, topk_group=4, moe_intermediate_size=1024,
+                         num_shared_experts=1, first_k_dense_replace=1, vocab_size=157184,
+                         max_position_embeddings=16384),
     # Dream-v0-Instruct-7B: Qwen2.5-7B's sizes (/work/shared/DESIGN.md section 6; apple/DiffuCoder-7B-Instruct, a
     # Dream model, has the same config.json), mask id 151666
     "dream-7b": dict(model_type="Dream", max_position_embeddings=131072, mask_token_id=151666, **QWEN25_7B),
