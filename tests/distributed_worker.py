@@ -8,6 +8,7 @@ import os
 import sys
 
 from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.generation.engine import kv_bytes_per_token
 from hf_blockdiff.integrations.checkpoint import load_pretrained
 from hf_blockdiff.integrations.distributed import generate_distributed
 
@@ -37,6 +38,7 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
         "tp_size": model.tp_size,
         "device": model.device.type,
         "cache_kv_heads": model._blockdiff_engine.cache.keys[0].shape[2],
+        "kv_bytes_per_token": kv_bytes_per_token(model),  # what the KV budget reckons a token takes here
         "uneven_error": error,
     }
     with open(f"{output}.{os.environ['RANK']}", "w") as f:

@@ -77,6 +77,7 @@ def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device
     for report in reports:  # every process ends with every completion, in input order
         assert report["tp_size"] == 2 and report["device"] == device
         assert report["cache_kv_heads"] == 1  # the tiny model has 2 KV heads: one per process
+        assert report["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 4  # K and V, 2 layers, its 1 head of 16, fp32
         assert report["completions"] == expected and report["again"] == expected[:1]
         assert report["compiled"] == (expected if compiled else None)
         assert "num_key_value_heads=1 is not divisible by 2" in report["uneven_error"]

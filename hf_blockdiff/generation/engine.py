@@ -21,6 +21,7 @@ from ..config import BlockDiffusionConfig
 from ..fusion.capture import experts_capture_blocker
 from ..kernels.rng import fmix32
 from ..weights.quantization import traceable
+from ..weights.tensor_parallel import kv_head_shards
 from ..scheduler import Scheduler, geometry, window_policy
 from .executor import ModelExecutor
 from ..fusion.mode import fusion_for
@@ -68,9 +69,10 @@ def shape_bucket(size: int) -> int:
 
 
 def kv_bytes_per_token(model) -> int:
+    """K and V bytes one token takes in this process's cache: its own KV heads under tensor parallelism."""
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // kv_head_shards(model)
     return 2 * config.num_hidden_layers * kv_heads * head_dim * model.get_output_embeddings().weight.element_size()
 
 
