@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from ..integrations.distributed import init_tensor_parallel, launch_size, load_sharded
+from ..integrations.distributed import build_sharded, launch_size, load_sharded
 
 QWEN3 = dict(head_dim=128, rope_theta=1_000_000.0, tie_word_embeddings=False)  # every SDAR config below
 QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -133,24 +133,19 @@ def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dt
 
 def _tensor_parallel_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype, quantization: str):
     """The model sharded with transformers' tp_plan="auto" over every process of the torchrun launch, on `device`'s
-    type (integrations.distributed.load_sharded: cuda:LOCAL_RANK over NCCL, or the CPU over gloo). Random weights are
-    built whole with the same seed on every process (replicated parameters must agree), moved to the CPU, and sharded
-    from that state dict (so the whole copy leaves the GPU)."""
-    from transformers import AutoModelForCausalLM
-
+    type (integrations.distributed: cuda:LOCAL_RANK over NCCL, or the CPU over gloo). A checkpoint: each process reads
+    its shards (`load_sharded`); random weights: each process initializes only its shards, where they live, with the
+    same seed (`build_sharded`). No process ever holds the whole model."""
     if quantization != "none":
         raise ValueError("--tensor-parallel shards unquantized weights: drop --quantization.")
     if launch_size() < 2:
         raise ValueError("--tensor-parallel shards over the processes of a launch: run the bench under "
                          "`torchrun --nproc_per_node N -m hf_blockdiff.cli bench ...` (N dividing the head counts)")
     if model_path:
+        from transformers import AutoModelForCausalLM
+
         return load_sharded(AutoModelForCausalLM, model_path, launch_size(), device, dtype=dtype).eval()
-    init_tensor_parallel(launch_size(), device)  # binds this process to its GPU before the whole copy is built there
-    torch.manual_seed(0)
-    whole = build_model(shape, None, device, dtype)
-    state, config, kind = {k: v.cpu() for k, v in whole.state_dict().items()}, whole.config, type(whole)
-    del whole
-    return load_sharded(kind, None, launch_size(), device, config=config, state_dict=state, dtype=dtype).eval()
+    return build_sharded(shape_config(shape), launch_size(), device, dtype).eval()
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:

@@ -60,12 +60,15 @@ class CompleteCheckpoint:
     transformers 5 only logs missing weights and initializes them at random (a mis-shaped weight already raises). For
     these families a missing tensor means a truncated checkpoint or one of another family, whose generations would be
     meaningless with nothing but a log line to show for it. Weights tied by the config are not missing.
+    `from_pretrained(None, config=..., state_dict={})` names no checkpoint at all: every weight is initialized at
+    random, as `from_config` does (how tensor-parallel random weights are built, each process only its shards).
     """
 
     @classmethod
     def from_pretrained(cls, *args, output_loading_info=False, **kwargs):
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        if info["missing_keys"]:
+        path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        if info["missing_keys"] and not (path is None and kwargs.get("state_dict") == {}):
             raise ValueError(
                 f"{cls.__name__}.from_pretrained: the checkpoint has no weights for {sorted(info['missing_keys'])}."
             )
