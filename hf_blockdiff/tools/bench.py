@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
 
@@ -30,6 +31,7 @@ from ..integrations.distributed import is_main_process, launch_size
 from ..patching import free_cache
 from ..config.profiles import model_profile
 from ..strategies import strategy_names
+from ..weights.tensor_parallel import local_weight_bytes
 from .bench_models import LLADA2, SHAPES, build_model
 from .measure import make_report, measure, recompile_limits_hit
 from .diffusers_reference import llada2_pipeline
@@ -169,7 +171,9 @@ def bench(args) -> dict:
 
         return diffusion_gemma_bench(args)
     device, dtype = args.device, getattr(torch, args.dtype)
+    started = time.perf_counter()
     model = build_model(args.shape, args.model, device, dtype, args.quantization, args.tensor_parallel)
+    build_s = round(time.perf_counter() - started, 1)  # random weights are initialized, checkpoints read, here
     vocab = model.config.get_text_config().vocab_size
     mask_id = model_profile(model).mask_token_id
     mask_id = vocab - 1 if mask_id is None else mask_id
@@ -187,6 +191,7 @@ def bench(args) -> dict:
 
     first = measure("hf_blockdiff (first call)", ours, device, tokens, args.batch_size)
     results.append(measure("hf_blockdiff", ours, device, tokens, args.batch_size))
+    peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None  # of the timed call
     new_shape = _new_shape_calls(model, cfg, args, min(vocab, mask_id) - 1)
     free_cache(model)  # the reference gets the memory of our KV cache and graphs
     if not args.skip_reference:
@@ -197,12 +202,24 @@ def bench(args) -> dict:
     report["new_shape_overhead_s"] = round(new_shape[0].seconds - new_shape[1].seconds, 3)  # less its warm time
     if args.compile_cache:
         report["compile_cache"] = {"loaded": loaded, "saved": str(compile_cache.save(model, args.compile_cache))}
+    report["build_s"] = build_s
+    if args.tensor_parallel:
+        report.update(_memory_per_gpu(model, peak))
     if model.config.model_type == LLADA2 and device.startswith("cuda") and not args.tensor_parallel:
         from .moe_timing import moe_against_dense
 
         block = decoded_block_size(cfg, model_profile(model))  # the preset's yields to the checkpoint's
         report["moe"] = [moe_against_dense(model, n * block) for n in sorted({1, args.batch_size})]
     return report
+
+
+def _memory_per_gpu(model, peak: int | None) -> dict:
+    """Every process's weights (its shards and what it keeps whole) and peak allocated memory in the timed call
+    (`peak` bytes; None on the CPU), in GB, in rank order."""
+    mine = (round(local_weight_bytes(model) / 1e9, 3), None if peak is None else round(peak / 1e9, 3))
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    return {"weights_per_gpu_gb": [weights for weights, _ in every], "memory_per_gpu_gb": [peak for _, peak in every]}
 
 
 def _device_name(args) -> str:
