@@ -172,7 +172,7 @@ def bench(args) -> dict:
         return diffusion_gemma_bench(args)
     device, dtype = args.device, getattr(torch, args.dtype)
     started = time.perf_counter()
-    model = build_model(args.shape, args.model, device, dtype, args.quantization, args.tensor_parallel)
+    model = build_model(args.shape, args.model, device, dtype, args.quantization, args.tensor_parallel, args.layers)
     build_s = round(time.perf_counter() - started, 1)  # random weights are initialized, checkpoints read, here
     vocab = model.config.get_text_config().vocab_size
     mask_id = model_profile(model).mask_token_id
@@ -294,8 +294,8 @@ def _add_model_flags(parser) -> None:
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="architecture sizes with random "
                         f"weights: {', '.join(sorted(SHAPES))} (default: %(default)s)")
     parser.add_argument("--model", help="a checkpoint directory instead of a random-weight shape (default: --shape)")
-    parser.add_argument("--layers", type=int, default=None, help="diffusion-gemma-26b-a4b: keep this many layers "
-                        "(a time budget; default: all)")
+    parser.add_argument("--layers", type=int, default=None, help="random weights: keep this many layers of the shape "
+                        "(a time budget or a quick try of a large shape; default: all)")
     parser.add_argument("--denoising-steps", type=int, default=48, help="diffusion-gemma-26b-a4b: steps per "
                         "canvas on both sides (default: %(default)s, transformers' default)")
     parser.add_argument("--quantization", default="none", choices=["none", "int8", "fp8", "nf4"],

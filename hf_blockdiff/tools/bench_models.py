@@ -111,7 +111,7 @@ def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dt
     from transformers import AutoModelForCausalLM
 
     if tensor_parallel:
-        return _tensor_parallel_model(shape, model_path, device, dtype, quantization)
+        return _tensor_parallel_model(shape, model_path, device, dtype, quantization, layers)
     quantized = _quantization_config(quantization)
     if model_path:
         extra = {} if quantized is None else {"quantization_config": quantized, "device_map": device}
@@ -131,7 +131,8 @@ def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dt
     return model.eval()
 
 
-def _tensor_parallel_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype, quantization: str):
+def _tensor_parallel_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype, quantization: str,
+                           layers: int | None):
     """The model sharded with transformers' tp_plan="auto" over every process of the torchrun launch, on `device`'s
     type (integrations.distributed: cuda:LOCAL_RANK over NCCL, or the CPU over gloo). A checkpoint: each process reads
     its shards (`load_sharded`); random weights: each process initializes only its shards, where they live, with the
@@ -145,7 +146,7 @@ def _tensor_parallel_model(shape: str, model_path: str | None, device: str, dtyp
         from transformers import AutoModelForCausalLM
 
         return load_sharded(AutoModelForCausalLM, model_path, launch_size(), device, dtype=dtype).eval()
-    return build_sharded(shape_config(shape), launch_size(), device, dtype).eval()
+    return build_sharded(shape_config(shape, layers), launch_size(), device, dtype).eval()
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
