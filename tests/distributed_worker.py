@@ -16,8 +16,16 @@ CFG = BlockDiffusionConfig(max_new_tokens=8, threshold=0.6, eos_token_id=[])
 PROMPTS = ["hello", "x = 1", "abc def", "Once upon a time", "0123456789"]
 
 
+def sharding(model) -> tuple:
+    """The model's parameters (objects and types: DTensors while sharded) and the modules with a forward of their own
+    (transformers' tensor-parallel forwards)."""
+    return ([(name, id(p), type(p).__name__) for name, p in model.named_parameters()],
+            [(name, id(vars(m)["forward"])) for name, m in model.named_modules() if "forward" in vars(m)])
+
+
 def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, device: str, compiled: str = "") -> None:
     model, tokenizer = load_pretrained(checkpoint, device, tensor_parallel_size=int(tp_size))
+    before = sharding(model)
     compiled_texts = [c.text for c in generate_distributed(model, PROMPTS, CFG.replace(
         compile=True, cuda_graphs=True), tokenizer, batch_size=2)] if compiled else None  # graphs' fixed shapes, eager
     rows, decode = [], model.generate_multi_block
@@ -40,6 +48,7 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
         "cache_kv_heads": model._blockdiff_engine.cache.keys[0].shape[2],
         "kv_bytes_per_token": kv_bytes_per_token(model),  # what the KV budget reckons a token takes here
         "uneven_error": error,
+        "unchanged": sharding(model) == before,  # decoding on local shards put transformers' sharding back
     }
     with open(f"{output}.{os.environ['RANK']}", "w") as f:
         json.dump(report, f)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from hf_blockdiff.generation.engine import kv_bytes_per_token
 from hf_blockdiff.integrations.distributed import build_sharded, load_sharded
 from hf_blockdiff.tools.bench_models import shape_config
-from hf_blockdiff.weights.tensor_parallel import local_weight_bytes, shard_layout
+from hf_blockdiff.weights.shard_layout import local_weight_bytes, shard_layout
 
 PROMPTS = torch.arange(48).view(2, 24) * 97 % 5000  # 24 tokens: the 8 new ones end the first block of 32
 

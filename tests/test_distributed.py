@@ -81,6 +81,7 @@ def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device
         assert report["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 4  # K and V, 2 layers, its 1 head of 16, fp32
         assert report["completions"] == expected and report["again"] == expected[:1]
         assert report["compiled"] == (expected if compiled else None)
+        assert report["unchanged"]
         assert "num_key_value_heads=1 is not divisible by 2" in report["uneven_error"]
 
 

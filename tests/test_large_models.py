@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from hf_blockdiff.integrations.distributed import check_sharding
 from hf_blockdiff.model_patches.llada2 import LLaDA2MoeModelLM
 from hf_blockdiff.tools.bench_models import shape_config
-from hf_blockdiff.weights.tensor_parallel import check_fits, check_shards, shard_layout
+from hf_blockdiff.weights.shard_layout import check_fits, check_shards, shard_layout
 
 from test_distributed import torchrun
 

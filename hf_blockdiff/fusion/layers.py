@@ -16,7 +16,8 @@ for forwards of few tokens, where a decode step's time is reading the weights; c
 
 `fused_forwards(model)` picks modules of exactly these classes, with no hook of their own, whose projections are
 plain `nn.Linear` layers with contiguous plain weights in the model's dtype (no LoRA wrapper, no quantized,
-offloaded or tensor-parallel weight, no hook), MLPs with SiLU and unbiased gate/up; the others, and a forward given
+offloaded or DTensor weight, no hook: a tensor-parallel model's layers qualify on their local shards, inside
+`weights.tensor_parallel.sharded_decoding`), MLPs with SiLU and unbiased gate/up; the others, and a forward given
 a transformers cache, run the stock forward.
 """
 
@@ -38,6 +39,7 @@ from ..cache.keyword import kv_cache_argument
 from ..kernels import TRITON_AVAILABLE
 from ..kernels.rmsnorm import add_rms_norm
 from ..kernels.skinny_gemm import gated_linear, grouped_linear, linear_residual
+from ..weights.tensor_parallel import row_parallel
 
 GATED_MLPS = (LlamaMLP, Qwen2MLP, Qwen3MLP, Qwen3MoeMLP)
 QWEN_ATTENTIONS = (Qwen2Attention, Qwen3Attention, Qwen3MoeAttention)  # one forward (q/k norms optional)
@@ -49,9 +51,10 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def unhooked(module: torch.nn.Module) -> bool:
-    """No forward hooks, no forward set on the instance (accelerate's offload and dispatch hooks set one)."""
-    return (not module._forward_hooks and not module._forward_pre_hooks and "forward" not in vars(module)
-            and not hasattr(module, "_hf_hook"))
+    """No forward hooks, no forward set on the instance (accelerate's offload and dispatch hooks set one) but the
+    row-parallel one of a sharded layer while decoding (`weights.tensor_parallel.sharded_decoding`)."""
+    return (not module._forward_hooks and not module._forward_pre_hooks and not hasattr(module, "_hf_hook")
+            and ("forward" not in vars(module) or row_parallel(module) is not None))
 
 
 def _plain(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -65,16 +68,19 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def _project(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    (out,) = grouped_linear(_flat(x), [linear.weight], [linear.bias])
-    return out.view(*x.shape[:-1], linear.out_features)
+    """`linear(x)`; a row-parallel layer's partial product summed over the ranks."""
+    sharded = row_parallel(linear)
+    (out,) = grouped_linear(_flat(x), [linear.weight], [linear.bias if sharded is None else None])
+    return (out if sharded is None else sharded.finish(out)).view(*x.shape[:-1], out.shape[-1])
 
 
 def fused_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The gated MLP; `residual`: added in the down projection's launch (`fused_layer_forward`)."""
     hidden = gated_linear(_flat(x), self.gate_proj.weight, self.up_proj.weight)
-    if residual is None:
-        return _project(self.down_proj, hidden.view(*x.shape[:-1], self.gate_proj.out_features))
     down = self.down_proj
+    if residual is None or row_parallel(down) is not None:  # a partial product: the residual after the sum
+        out = _project(down, hidden.view(*x.shape[:-1], hidden.shape[-1]))
+        return out if residual is None else out + residual
     return linear_residual(hidden, down.weight, down.bias, _flat(residual)).view(residual.shape)
 
 

@@ -13,7 +13,7 @@ from ..config import BlockDiffusionConfig
 from ..config.checks import check_block_config
 from ..config.profiles import model_profile
 from ..weights.quantization import check_quantization
-from ..weights.tensor_parallel import check_tensor_parallel
+from ..weights.tensor_parallel import check_tensor_parallel, sharded_decoding
 from ..scheduler import DecodeState
 from .engine import Results, engine_for, request_seeds
 from .hf_conventions import call_arguments, merged_config
@@ -90,8 +90,9 @@ def generate_multi_block(
     was_training = self.training
     self.eval()
     try:
-        engine = engine_for(self, cfg, prompts, backend, device, samples)
-        results = engine.generate(prompts, seeds, stream, groups)
+        with sharded_decoding(self):
+            engine = engine_for(self, cfg, prompts, backend, device, samples)
+            results = engine.generate(prompts, seeds, stream, groups)
     finally:
         self.train(was_training)
     sequences = torch.cat([input_ids.repeat_interleave(samples, 0), results.tokens], dim=1)

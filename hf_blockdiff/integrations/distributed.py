@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import BlockDiffusionConfig
-from ..weights.tensor_parallel import check_fits, check_shards, shard_layout, tensor_parallel_size
+from ..weights.shard_layout import check_fits, check_shards, shard_layout
+from ..weights.tensor_parallel import tensor_parallel_size
 from .completions import Completions, complete
 
 

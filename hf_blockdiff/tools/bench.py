@@ -31,7 +31,7 @@ from ..integrations.distributed import is_main_process, launch_size
 from ..patching import free_cache
 from ..config.profiles import model_profile
 from ..strategies import strategy_names
-from ..weights.tensor_parallel import local_weight_bytes
+from ..weights.shard_layout import local_weight_bytes
 from .bench_models import LLADA2, SHAPES, build_model
 from .measure import make_report, measure, recompile_limits_hit
 from .diffusers_reference import llada2_pipeline

@@ -7,17 +7,25 @@ process decodes every prompt (same tokens: the logits are gathered), unlike data
 (both at once: `integrations.distributed`).
 
 transformers loads a model whose head counts do not divide the process count without complaint and then fails
-inside the first attention with a bare reshape error; `check_tensor_parallel` says why before any forward. Before a
-model is built or loaded, `shard_layout` reads its plan off a copy on the meta device: which weights are split, and how
-many bytes each process will hold (`check_shards` refuses uneven splits, `check_fits` a model the GPU cannot hold).
+inside the first attention with a bare reshape error; `check_tensor_parallel` says why before any forward (and
+`shard_layout` before the model is built or loaded).
+
+While decoding, `sharded_decoding` runs the sharded layers on their local shards as plain `nn.Linear` layers, so the
+fused decode paths (`fusion/layers.py`) take them as they take a one-GPU model, and puts one all-reduce of our own
+(`all_reduce.partial_sums`) where transformers' row-wise layers reduce (docs/benchmarks.md, "Tensor parallel").
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+import weakref
+from contextlib import contextmanager
 
-FIT_SHARE = 0.9  # of a GPU's free memory the weights may take: the rest is for the KV cache and activations
+import torch
+
+from .all_reduce import partial_sums, sums_for
+from .shard_layout import plan_style, sharded_dim
+
+LOCAL_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")  # a gathered LM head keeps its forward
 
 
 def tensor_parallel_size(model) -> int:
@@ -41,106 +49,6 @@ def check_tensor_parallel(model) -> None:
         )
 
 
-def sharded_dim(style: str, ndim: int) -> int | None:
-    """The dimension a tp_plan style splits a weight of `ndim` dimensions along (None: kept whole on every process).
-    Column-wise styles split the output features (`[out, in]` Linear weights, `[experts, 2·I, H]` fused experts),
-    row-wise ones the input features (a row-wise bias is added after the reduction, whole), embeddings the vocabulary."""
-    if "colwise" in style:
-        return max(ndim - 2, 0)
-    if style == "embedding_rowwise":
-        return 0
-    return ndim - 1 if "rowwise" in style and ndim > 1 else None
-
-
-def _style(plan: dict[str, str], name: str) -> str | None:
-    """The plan's style for parameter `name`: its own rule, else its module's (`layers.*` numbers any layer)."""
-    owner = name.rsplit(".", 1)[0]
-    for candidate in (name, owner):
-        for rule, style in plan.items():
-            if re.fullmatch(re.escape(rule).replace(r"\*", r"\d+"), candidate):
-                return style
-    return None
-
-
-@dataclass
-class ShardLayout:
-    """Bytes each process holds of a model sharded over `size` processes, and the weights that cannot split evenly."""
-
-    size: int
-    sharded: int = 0  # bytes per process of the split weights
-    replicated: int = 0  # bytes of the weights every process holds whole
-    whole_sharded: int = 0  # bytes of the split weights, all processes together
-    splits: set[int] = field(default_factory=set)  # lengths the plan divides by the process count
-    uneven: dict[str, str] = field(default_factory=dict)  # rule (layer numbers as *) -> why
-    wide: int = 0  # bytes of the weights wider than 2 bytes an element
-
-    @property
-    def per_rank(self) -> int:
-        return self.sharded + self.replicated
-
-    def ranks_needed(self, free: int) -> int | None:
-        """The fewest processes, dividing every split length, whose GPUs of `free` bytes each hold the weights (None:
-        no count does)."""
-        room = FIT_SHARE * free - self.replicated
-        if room <= 0:
-            return None
-        least = max(self.size, -(-self.whole_sharded // int(room)))
-        return next((n for n in range(least, max(self.splits, default=least) + 1)
-                     if all(length % n == 0 for length in self.splits)), None)
-
-
-def shard_layout(model, size: int) -> ShardLayout:
-    """What `tp_plan="auto"` over `size` processes makes of `model` (on the meta device, or already built)."""
-    plan, layout = getattr(model, "tp_plan", None) or {}, ShardLayout(size)
-    for name, parameter in model.named_parameters():
-        nbytes = parameter.numel() * parameter.element_size()
-        layout.wide += nbytes if parameter.element_size() > 2 else 0
-        style = _style(plan, name) if size > 1 else None
-        dim = None if style is None else sharded_dim(style, parameter.dim())
-        if dim is None:
-            layout.replicated += nbytes
-            continue
-        length = parameter.shape[dim] // 2 if style.startswith("packed") else parameter.shape[dim]  # [gate | up]
-        layout.splits.add(length)
-        if length % size:
-            rule = re.sub(r"\.\d+\.", ".*.", name)
-            layout.uneven[rule] = f"{rule} ({parameter.shape[dim]} along dimension {dim}, {style})"
-        layout.sharded += nbytes // size
-        layout.whole_sharded += nbytes
-    return layout
-
-
-def check_shards(layout: ShardLayout) -> None:
-    """A ValueError before anything is built when a weight the plan splits does not divide by the process count."""
-    if layout.uneven:
-        even = [n for n in range(2, max(layout.splits) + 1) if all(length % n == 0 for length in layout.splits)][:3]
-        raise ValueError(f"tensor_parallel_size={layout.size} does not divide the weights tp_plan splits: "
-                         f"{'; '.join(layout.uneven.values())}. Pass a tensor_parallel_size (--tensor-parallel-size, "
-                         f"torchrun --nproc_per_node) that divides them: {', '.join(map(str, even))}, ...")
-
-
-def check_fits(layout: ShardLayout, free: int, device: str = "the GPU") -> None:
-    """A ValueError when the weights a process holds exceed `FIT_SHARE` of its GPU's `free` bytes, saying how much they
-    need and how many processes would hold them."""
-    if layout.per_rank <= FIT_SHARE * free:
-        return
-    needed = layout.ranks_needed(free)
-    more = (f"shard over {needed} GPUs (--tensor-parallel-size {needed}, torchrun --nproc_per_node {needed})"
-            if needed else "no number of GPUs holds it (the weights every GPU keeps whole do not fit alone)")
-    smaller = ", or load it in bfloat16 (--dtype bfloat16)" if 2 * layout.wide > layout.replicated + layout.whole_sharded else ""
-    raise ValueError(
-        f"The model needs {layout.per_rank / 1e9:.1f} GB of weights per GPU with tensor_parallel_size={layout.size} "
-        f"({layout.sharded / 1e9:.1f} GB of its shards + {layout.replicated / 1e9:.1f} GB kept whole on every GPU), "
-        f"but {device} has {free / 1e9:.1f} GB free (the weights may take {FIT_SHARE:.0%}; the rest is for the KV "
-        f"cache): {more}{smaller}.")
-
-
-def local_weight_bytes(model) -> int:
-    """Bytes of the weights this process holds (its shards of the split ones)."""
-    local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
-    return sum(p.numel() * p.element_size() for p in local)
-
-
 def kv_head_shards(model) -> int:
     """Processes the KV heads are split over: the tensor-parallel size when the plan splits the key projection
     (`k_proj`), else 1 (attention kept whole, as LLaDA2's fused `query_key_value`)."""
@@ -149,3 +57,85 @@ def kv_head_shards(model) -> int:
     split = any(rule.rsplit(".", 1)[-1] == "k_proj" and sharded_dim(style, 2) is not None
                 for rule, style in plan.items())
     return size if size > 1 and split else 1
+
+
+class RowParallel:
+    """The forward of a row-parallel `nn.Linear` on its local shard (an instance's `forward` inside
+    `sharded_decoding`): the partial product, summed over the ranks, then the bias once."""
+
+    def __init__(self, linear: torch.nn.Linear, group_name: str):
+        self.linear, self.group_name = linear, group_name
+
+    def finish(self, partial: torch.Tensor) -> torch.Tensor:
+        """The layer's output from this rank's partial product (no bias in it)."""
+        out = partial_sums(partial, self.group_name)
+        return out if self.linear.bias is None else out + self.linear.bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.finish(torch.nn.functional.linear(x, self.linear.weight))
+
+
+def row_parallel(module: torch.nn.Module) -> RowParallel | None:
+    """The module's `RowParallel` forward inside `sharded_decoding`, else None."""
+    forward = vars(module).get("forward")
+    return forward if isinstance(forward, RowParallel) else None
+
+
+# id(DTensor parameter) -> (a weak reference to it, its local shard); an entry leaves with its parameter (tensors
+# compare elementwise, so no WeakKeyDictionary)
+_LOCAL: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
+
+
+def _local(param) -> torch.nn.Parameter:
+    """`param`'s local shard as a plain parameter sharing its storage (made once: graphs captured on it stay valid)."""
+    key = id(param)
+    ref, local = _LOCAL.get(key, (None, None))
+    if ref is None or ref() is not param:
+        local = torch.nn.Parameter(param.to_local().detach(), requires_grad=False)
+        _LOCAL[key] = (weakref.ref(param, lambda _: _LOCAL.pop(key, None)), local)
+    return local
+
+
+def _group(param):
+    mesh = param.device_mesh
+    return mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp")
+
+
+def _local_swaps(model) -> list[tuple[torch.nn.Module, dict, dict]]:
+    """(module, its local parameters, its forward: None or a RowParallel) for every module of a style in LOCAL_STYLES
+    whose parameters are all DTensors (linear layers only, but for replicated norms)."""
+    from torch.distributed.tensor import DTensor
+
+    plan, swaps = model.tp_plan, []
+    for name, module in model.named_modules():
+        params = {key: p for key, p in module._parameters.items() if p is not None}
+        if not params or "forward" not in vars(module) or not all(isinstance(p, DTensor) for p in params.values()):
+            continue
+        style = plan_style(plan, f"{name}.{next(iter(params))}")
+        if (style not in LOCAL_STYLES
+                or (type(module) is not torch.nn.Linear and style != "replicated_with_grad_allreduce")):
+            continue
+        forward = RowParallel(module, sums_for(_group(params["weight"]))) if style == "rowwise" else None
+        swaps.append((module, {key: _local(p) for key, p in params.items()}, forward))
+    return swaps
+
+
+@contextmanager
+def sharded_decoding(model):
+    """A tensor-parallel model's sharded layers as plain layers on their local shards for the block (module
+    docstring); their DTensor parameters and transformers' forwards restored after, also when the block raises.
+    Layers of other styles (a gathered LM head, experts) keep transformers' forwards."""
+    swaps = _local_swaps(model) if tensor_parallel_size(model) > 1 else []
+    saved = [(module, dict(module._parameters), vars(module)["forward"]) for module, _, _ in swaps]
+    try:
+        for module, params, forward in swaps:
+            module._parameters.update(params)
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
+        yield
+    finally:
+        for module, params, forward in saved:
+            module._parameters.update(params)
+            module.forward = forward

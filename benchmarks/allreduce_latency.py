@@ -1,0 +1,72 @@
+"""How long one small all-reduce takes inside a CUDA graph, as a tensor-parallel decode step issues them (two per
+decoder layer): `torchrun --nproc_per_node 2 benchmarks/allreduce_latency.py` prints, per message size, the mean
+time of NCCL's all-reduce and of torch's symmetric-memory one-shot and two-shot all-reduces (NVLink loads and stores,
+no multicast), each replayed from a graph of 64 back-to-back calls (docs/benchmarks.md, "Tensor parallel")."""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+
+CALLS, REPLAYS = 64, 20
+SIZES_KB = (8, 32, 128, 512, 2048)
+
+
+def timed(fn) -> float:
+    """Mean microseconds of one `fn()` replayed from a graph of CALLS calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (REPLAYS * CALLS)
+
+
+def main():
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD.group_name
+    buffer = symm_mem.empty(max(SIZES_KB) * 1024 // 2, dtype=torch.bfloat16, device="cuda")
+    symm_mem.rendezvous(buffer, group)
+    rows = []
+    for kb in SIZES_KB:
+        x = torch.randn(kb * 1024 // 2, dtype=torch.bfloat16, device="cuda")
+        want = x.float() * 0
+        for r in range(dist.get_world_size()):
+            other = x.clone()
+            dist.broadcast(other, r)
+            want += other.float()
+        view = buffer[: x.numel()]
+        one = torch.ops.symm_mem.one_shot_all_reduce_copy(buffer[: x.numel()], x, "sum", group)
+        ok = torch.allclose(one.float(), want, atol=0.1, rtol=0.02)
+        nccl = timed(lambda: dist.all_reduce(x.clone()))
+        one_shot = timed(lambda: torch.ops.symm_mem.one_shot_all_reduce_copy(view, x, "sum", group))
+
+        def two():
+            view.copy_(x)
+            torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", group)
+        two_shot = timed(two)
+        rows.append(f"| {kb} KB | {nccl:.1f} | {one_shot:.1f} | {two_shot:.1f} | {ok} |")
+    if rank == 0:
+        print(f"{dist.get_world_size()} x {torch.cuda.get_device_name()}, torch {torch.__version__}")
+        print("| message | NCCL (us) | symm one-shot (us) | symm two-shot (us) | one-shot sum right |")
+        print("|---|---|---|---|---|")
+        print("\n".join(rows))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
