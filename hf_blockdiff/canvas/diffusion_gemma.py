@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..attention import resolve_backend
 from ..config import BlockDiffusionConfig
@@ -64,9 +65,14 @@ class DiffusionGemmaRunner:
 
     def conditioning(self, probs: torch.Tensor) -> torch.Tensor:
         """The next step's self-conditioning input: the step's softmax (in the embedding dtype) times the scaled
-        embedding matrix."""
+        embedding matrix. Sharded by vocabulary (tensor parallel), each process multiplies its share of the
+        vocabulary and the shares are summed."""
         embed = self.decoder.embed_tokens
-        return (probs @ embed.weight) * embed.embed_scale.to(self.dtype)
+        weight = embed.weight
+        if isinstance(weight, DTensor):
+            return (DTensor.from_local(probs, weight.device_mesh, [Replicate()]) @ weight).full_tensor() \
+                * embed.embed_scale.to(self.dtype)
+        return (probs @ weight) * embed.embed_scale.to(self.dtype)
 
     def decoding(self, fusion: str):
         return decoding_mode(self.model, fusion)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import BlockDiffusionConfig
+from ..weights.sharding import load_untied, sharding_config
 from ..weights.tensor_parallel import tensor_parallel_size
 from .completions import Completions, complete
 
@@ -168,16 +169,27 @@ def _transformers_sees(device_type: str):
             torch._C._get_accelerator = built
 
 
-def load_sharded(model_class, path: str | None, size: int, device: str | None = None, **kwargs):
+def load_sharded(model_class, path: str | None, size: int, device: str | None = None, expert_parallel: bool = False,
+                 **kwargs):
     """`model_class.from_pretrained(path, **kwargs)` sharded with transformers' tp_plan="auto" over groups of `size`
     processes (`init_tensor_parallel`), on `device`'s type (`shard_device`): cuda:LOCAL_RANK over NCCL, or the CPU over
-    gloo. Call it on every process of the launch."""
-    from transformers import DistributedConfig
+    gloo; `expert_parallel`: a MoE model's experts split whole over the group. With a config (`config=` or the
+    checkpoint directory's), the sizes are checked and the model's plans spelled out before anything loads
+    (`weights.sharding`). Call it on every process of the launch."""
+    config = kwargs.get("config")
+    if config is None and (expert_parallel or (path is not None and os.path.isdir(path))):
+        from transformers import AutoConfig
 
+        config = AutoConfig.from_pretrained(path)
+    distributed_config = sharding_config(model_class, config, size, expert_parallel)
     device_type = init_tensor_parallel(size, device)
+
+    def load(config):
+        given = kwargs if config is None else {**kwargs, "config": config}
+        return model_class.from_pretrained(path, distributed_config=distributed_config, **given)
+
     with _transformers_sees(device_type):
-        return model_class.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto", tp_size=size),
-                                           **kwargs)
+        return load_untied(load, config)
 
 
 def _share(items: list, index: int, parts: int) -> list:
