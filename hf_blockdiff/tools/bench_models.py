@@ -93,14 +93,15 @@ def shape_config(shape: str, layers: int | None = None):
 
 
 def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype, quantization: str = "none",
-                tensor_parallel: bool = False, layers: int | None = None):
+                tensor_parallel: bool = False, layers: int | None = None, expert_parallel: bool = False):
     """A checkpoint, or random weights of `shape` (its first `layers` layers; None: all) built on `device`; quantized
     weight-only as transformers' quantizers do it (torchao int8/fp8 applied to the built model; bitsandbytes nf4
-    quantizes while loading, so it needs `model_path`); `tensor_parallel`: sharded over the launch's processes."""
+    quantizes while loading, so it needs `model_path`); `tensor_parallel`: sharded over the launch's processes,
+    `expert_parallel` its experts by expert."""
     from transformers import AutoModelForCausalLM
 
     if tensor_parallel:
-        return _tensor_parallel_model(shape, model_path, device, dtype, quantization)
+        return _tensor_parallel_model(shape, model_path, device, dtype, quantization, expert_parallel)
     quantized = _quantization_config(quantization)
     if model_path:
         extra = {} if quantized is None else {"quantization_config": quantized, "device_map": device}
@@ -120,11 +121,13 @@ def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dt
     return model.eval()
 
 
-def _tensor_parallel_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype, quantization: str):
+def _tensor_parallel_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype, quantization: str,
+                           expert_parallel: bool = False):
     """The model sharded with transformers' tp_plan="auto" over every process of the torchrun launch, on `device`'s
     type (integrations.distributed.load_sharded: cuda:LOCAL_RANK over NCCL, or the CPU over gloo). Random weights are
     built whole with the same seed on every process (replicated parameters must agree), moved to the CPU, and sharded
-    from that state dict (so the whole copy leaves the GPU)."""
+    from that state dict (so the whole copy leaves the GPU); `expert_parallel`: the experts split whole over the
+    processes (`load_sharded`)."""
     from transformers import AutoModelForCausalLM
 
     if quantization != "none":
@@ -133,13 +136,15 @@ def _tensor_parallel_model(shape: str, model_path: str | None, device: str, dtyp
         raise ValueError("--tensor-parallel shards over the processes of a launch: run the bench under "
                          "`torchrun --nproc_per_node N -m hf_blockdiff.cli bench ...` (N dividing the head counts)")
     if model_path:
-        return load_sharded(AutoModelForCausalLM, model_path, launch_size(), device, dtype=dtype).eval()
+        return load_sharded(AutoModelForCausalLM, model_path, launch_size(), device, expert_parallel,
+                            dtype=dtype).eval()
     init_tensor_parallel(launch_size(), device)  # binds this process to its GPU before the whole copy is built there
     torch.manual_seed(0)
     whole = build_model(shape, None, device, dtype)
     state, config, kind = {k: v.cpu() for k, v in whole.state_dict().items()}, whole.config, type(whole)
     del whole
-    return load_sharded(kind, None, launch_size(), device, config=config, state_dict=state, dtype=dtype).eval()
+    return load_sharded(kind, None, launch_size(), device, expert_parallel, config=config, state_dict=state,
+                        dtype=dtype).eval()
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:

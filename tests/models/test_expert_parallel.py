@@ -115,3 +115,16 @@ def test_tensor_parallel_sizes_are_checked_before_loading(checkpoints):
     gemma.text_config.num_global_key_value_heads = 1  # its full-attention layers' KV heads
     with pytest.raises(ValueError, match="num_global_key_value_heads=1 is not divisible by 2"):
         check_sharding(gemma, 2, expert_parallel=True)
+
+
+def test_expert_parallel_flags_are_refused_without_tensor_parallel(checkpoints, capsys):
+    from hf_blockdiff.cli import main
+
+    sdar = checkpoints["sdar_moe"]
+    assert main(["generate", "--model", sdar, "--prompt", "x", "--device", "cpu", "--expert-parallel"]) == 2
+    assert "tensor_parallel_size=1: pass tensor_parallel_size N > 1" in capsys.readouterr().err
+    assert main(["bench", "--shape", "llada2-tiny", "--device", "cpu", "--expert-parallel"]) == 2
+    assert "--expert-parallel splits a MoE model's experts over the processes of --tensor-parallel" in \
+        capsys.readouterr().err
+    assert main(["bench", "--shape", "diffusion-gemma-tiny", "--device", "cpu", "--tensor-parallel"]) == 2
+    assert "the diffusion-gemma shapes bench one process: drop --tensor-parallel" in capsys.readouterr().err
