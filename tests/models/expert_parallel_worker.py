@@ -1,6 +1,7 @@
 """Run by test_expert_parallel under `torchrun --nproc_per_node 2` (CPU, gloo): each tiny MoE checkpoint of FAMILIES is
 loaded with its experts split over the two processes (attention tensor parallel) and decodes DECODE's prompts; a dense
-checkpoint asked for expert parallelism is refused. Every process writes what it saw as JSON (OUTPUT.RANK)."""
+checkpoint asked for expert parallelism is refused. Every process writes what it saw as JSON (OUTPUT.RANK). Given
+only a checkpoint, rank 1 fails instead (`fail_on_rank_1`)."""
 
 import json
 import os
@@ -60,5 +61,13 @@ def main(checkpoints: str, dense: str, output: str) -> None:
         json.dump(report, f)
 
 
+def fail_on_rank_1(checkpoint: str) -> None:
+    """Rank 1 fails before its first forward while rank 0 decodes, waiting for it in the first collective."""
+    model, _ = load_pretrained(checkpoint, "cpu", tensor_parallel_size=2, expert_parallel=True)
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("rank 1 failed on purpose")
+    decode(model, "sdar_moe")
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    (fail_on_rank_1 if len(sys.argv) == 2 else main)(*sys.argv[1:])

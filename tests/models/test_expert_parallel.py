@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,12 +62,16 @@ def one_process(family: str, checkpoint: str) -> tuple[list, list]:
     return decode(model, family), experts_modules(model)
 
 
+def worker(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """expert_parallel_worker.py under `torchrun --nproc_per_node 2`."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(Path(__file__).parent / "expert_parallel_worker.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **CPU_ONLY})
+
+
 def test_expert_parallel_matches_one_process(checkpoints, checkpoint, tmp_path):
     report_path = tmp_path / "report.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(Path(__file__).parent / "expert_parallel_worker.py"), json.dumps(checkpoints), str(checkpoint),
-               str(report_path)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=240, env={**os.environ, **CPU_ONLY})
+    run = worker(json.dumps(checkpoints), str(checkpoint), str(report_path))
     assert run.returncode == 0, run.stderr[-3000:]
     reports = [json.loads(Path(f"{report_path}.{rank}").read_text()) for rank in range(2)]
     for family, path in checkpoints.items():
@@ -80,6 +85,15 @@ def test_expert_parallel_matches_one_process(checkpoints, checkpoint, tmp_path):
             assert report[family]["tokens"] == tokens, family
     for report in reports:  # every process refuses, before loading, so none waits for another
         assert "model has no experts" in report["dense_error"]
+
+
+def test_a_failing_process_ends_the_launch(checkpoints):
+    """Rank 1 fails while rank 0 waits for it in a collective: the launch ends with rank 1's error (torchrun stops
+    rank 0), it does not hang until the subprocess timeout."""
+    started = time.monotonic()
+    run = worker(checkpoints["sdar_moe"], timeout=120)
+    assert run.returncode != 0 and "rank 1 failed on purpose" in run.stderr
+    assert time.monotonic() - started < 60
 
 
 @pytest.fixture
