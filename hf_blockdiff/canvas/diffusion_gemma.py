@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
 
 from ..attention import resolve_backend
 from ..config import BlockDiffusionConfig
@@ -69,7 +68,9 @@ class DiffusionGemmaRunner:
         vocabulary and the shares are summed."""
         embed = self.decoder.embed_tokens
         weight = embed.weight
-        if isinstance(weight, DTensor):
+        if hasattr(weight, "device_mesh"):  # a DTensor
+            from torch.distributed.tensor import DTensor, Replicate
+
             return (DTensor.from_local(probs, weight.device_mesh, [Replicate()]) @ weight).full_tensor() \
                 * embed.embed_scale.to(self.dtype)
         return (probs @ weight) * embed.embed_scale.to(self.dtype)
