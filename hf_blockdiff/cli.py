@@ -2,7 +2,8 @@
 
 `accelerate launch -m hf_blockdiff.cli generate ...` (or `torchrun`) splits the prompts over the processes and writes
 the results in input order from the main process; with `--tensor-parallel-size N` under `torchrun` groups of N
-processes share the model's weights and the prompts are split over the groups."""
+processes share the model's weights and the prompts are split over the groups (`--expert-parallel`: a MoE model's
+experts split whole over each group)."""
 
 from __future__ import annotations
 
@@ -125,7 +126,8 @@ def run_generate(args: argparse.Namespace) -> None:
         check_device(args.device, "--device")
     cfg = config_from_args(args)
     prompts = read_prompts(args)
-    model, tokenizer = load_pretrained(model_path(args.model), args.device, args.dtype, args.tensor_parallel_size)
+    model, tokenizer = load_pretrained(model_path(args.model), args.device, args.dtype, args.tensor_parallel_size,
+                                       args.expert_parallel)
     encoded = [encode(p, tokenizer, args.chat) for p in prompts]
     if args.max_new_tokens is None:
         longest = max((len(ids) for ids in encoded), default=0)
@@ -172,6 +174,9 @@ def add_generate_parser(commands) -> None:
     gen.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                      help="shard the model over groups of N processes of a torchrun launch of N·M processes "
                      "(tp_plan='auto'); the prompts are split over the M groups (default: %(default)s, no sharding)")
+    gen.add_argument("--expert-parallel", action="store_true",
+                     help="with --tensor-parallel-size N, a MoE model's experts split whole over the N processes "
+                     "(num_experts / N each), attention still tensor parallel (default: off)")
     add_config_flags(gen)
     gen.set_defaults(run=run_generate)
 

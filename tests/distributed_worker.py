@@ -32,9 +32,8 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
     model.generate_multi_block = lambda ids, *args, **kwargs: rows.append(len(ids)) or decode(ids, *args, **kwargs)
     completions = generate_distributed(model, PROMPTS, CFG, tokenizer, batch_size=2)
     again = generate_distributed(model, PROMPTS[:1], CFG, tokenizer)  # fewer prompts than groups
-    uneven, _ = load_pretrained(uneven_checkpoint, device, tensor_parallel_size=int(tp_size))
-    try:
-        generate_distributed(uneven, PROMPTS[:1], CFG, tokenizer)
+    try:  # refused before it loads (the head counts are checked against its config), on every process
+        load_pretrained(uneven_checkpoint, device, tensor_parallel_size=int(tp_size))
         error = None
     except ValueError as failure:
         error = str(failure)

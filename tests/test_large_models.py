@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_blockdiff.integrations.distributed import check_sharding
+from hf_blockdiff.integrations.distributed import check_layout
 from hf_blockdiff.model_patches.llada2 import LLaDA2MoeModelLM
 from hf_blockdiff.tools.bench_models import shape_config
 from hf_blockdiff.weights.shard_layout import check_fits, check_shards, shard_layout
@@ -91,10 +91,10 @@ def test_llada2_flash_bytes_per_gpu(flash):
         check_shards(shard_layout(flash, 3))
 
 
-def test_check_sharding_before_anything_is_built():
+def test_check_layout_before_anything_is_built():
     config = shape_config("llada2-tiny")
-    assert check_sharding(config, 2, "cpu", torch.float32) is LLaDA2MoeModelLM  # the CPU sets no limit
+    assert check_layout(config, 2, "cpu", torch.float32) is LLaDA2MoeModelLM  # the CPU sets no limit
     with pytest.raises(ValueError, match=r"but cuda has 0\.0 GB free .*, or load it in bfloat16 \(--dtype bfloat16\)"):
-        check_sharding(config, 2, "cuda", torch.float32, free=10**6)
+        check_layout(config, 2, "cuda", torch.float32, free=10**6)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
-        check_sharding(config, 3, "cpu", "auto")
+        check_layout(config, 3, "cpu", "auto")

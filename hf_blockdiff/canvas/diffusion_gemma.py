@@ -64,9 +64,16 @@ class DiffusionGemmaRunner:
 
     def conditioning(self, probs: torch.Tensor) -> torch.Tensor:
         """The next step's self-conditioning input: the step's softmax (in the embedding dtype) times the scaled
-        embedding matrix."""
+        embedding matrix. Sharded by vocabulary (tensor parallel), each process multiplies its share of the
+        vocabulary and the shares are summed."""
         embed = self.decoder.embed_tokens
-        return (probs @ embed.weight) * embed.embed_scale.to(self.dtype)
+        weight = embed.weight
+        if hasattr(weight, "device_mesh"):  # a DTensor
+            from torch.distributed.tensor import DTensor, Replicate
+
+            return (DTensor.from_local(probs, weight.device_mesh, [Replicate()]) @ weight).full_tensor() \
+                * embed.embed_scale.to(self.dtype)
+        return (probs @ weight) * embed.embed_scale.to(self.dtype)
 
     def decoding(self, fusion: str):
         return decoding_mode(self.model, fusion)

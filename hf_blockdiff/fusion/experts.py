@@ -9,6 +9,11 @@ pairs are few per expert, torch's grouped GEMM between its own grouping and weig
 by shapes: graph- and compile-safe), and the class's own forward for many pairs where torch's grouped GEMM would
 read back to the host (`grouped_mm_captures`, decided when the forward is installed).
 `fusion.decoding_mode` installs it for a block and removes it after.
+
+Sharded experts (tensor or expert parallel: DTensor weights, a forward transformers set on the instance, or its
+`_is_expert_parallel` mark) are skipped, not run on their local experts: their own forward runs, which maps the global
+expert ids to the local ones, masks the routes to other processes' experts and sums the processes' outputs
+(weights/sharding.py). Correctness first: the op would need that mapping and the sum of its own.
 """
 
 from __future__ import annotations

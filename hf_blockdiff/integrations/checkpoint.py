@@ -7,14 +7,17 @@ from pathlib import Path
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def load_pretrained(path: str, device: str | None = None, dtype: str = "float32", tensor_parallel_size: int = 1):
+def load_pretrained(path: str, device: str | None = None, dtype: str = "float32", tensor_parallel_size: int = 1,
+                    expert_parallel: bool = False):
     """(model, tokenizer) of the checkpoint at `path`, in eval mode, the tokenizer padding on the left.
 
     device None: this process's device as accelerate sees it (`cuda:LOCAL_RANK` under a launcher, else cpu); one this
     process cannot use is a ValueError before anything loads (`check_device`).
     tensor_parallel_size N > 1: shard the weights over groups of N processes of a `torchrun` launch of N·M processes
     (transformers' tp_plan="auto"; see `distributed.load_sharded`), on `device`'s type: each process on its own GPU
-    `LOCAL_RANK` (NCCL) or on the CPU (gloo); None: the GPU when the process sees one."""
+    `LOCAL_RANK` (NCCL) or on the CPU (gloo); None: the GPU when the process sees one.
+    expert_parallel: with tensor_parallel_size N, a MoE model's experts split whole over the N processes (num_experts
+    / N each; attention stays tensor parallel); a dense model or N not dividing num_experts is a ValueError."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -28,8 +31,9 @@ def load_pretrained(path: str, device: str | None = None, dtype: str = "float32"
         check_device(device)
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    if tensor_parallel_size != 1:
-        model = load_sharded(AutoModelForCausalLM, path, tensor_parallel_size, device, dtype=torch_dtype)
+    if tensor_parallel_size != 1 or expert_parallel:
+        model = load_sharded(AutoModelForCausalLM, path, tensor_parallel_size, device, expert_parallel,
+                             dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device or process_state().device)
     return model.eval(), tokenizer

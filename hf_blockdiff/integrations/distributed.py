@@ -29,6 +29,7 @@ import torch
 
 from ..config import BlockDiffusionConfig
 from ..weights.shard_layout import check_fits, check_shards, shard_layout
+from ..weights.sharding import load_untied, sharding_config
 from ..weights.tensor_parallel import tensor_parallel_size
 from .completions import Completions, complete
 
@@ -169,21 +170,21 @@ def _transformers_sees(device_type: str):
             torch._C._get_accelerator = built
 
 
-def check_sharding(config, size: int, device_type: str, dtype=None, free: int | None = None):
-    """Before a model of `config` (or of the checkpoint at that path) is built or loaded over `size` processes: a
-    ValueError when tp_plan cannot split its weights evenly, or when the weights one process holds do not fit its GPU
-    (`free` bytes; None: what the bound GPU has free; never checked on the CPU). Returns the causal-LM class, read off
-    a copy on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+def check_layout(config, size: int, device_type: str, dtype=None, expert_parallel: bool = False,
+                 free: int | None = None):
+    """Before a model of `config` is built or loaded over `size` processes: a ValueError when tp_plan cannot split
+    its weights evenly (the experts' split is `weights.sharding`'s to check under `expert_parallel`), or when the
+    weights one process holds do not fit its GPU (`free` bytes; None: what the bound GPU has free; never checked on
+    the CPU). Returns the causal-LM class, read off a copy on the meta device."""
+    from transformers import AutoModelForCausalLM
 
-    if not isinstance(config, PreTrainedConfig):
-        config = AutoConfig.from_pretrained(config)
     if isinstance(dtype, str):  # "auto": the checkpoint's own
         dtype = getattr(torch, str(getattr(config, "dtype", None) or "float32").removeprefix("torch."))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     layout = shard_layout(model, size)
-    check_shards(layout)
+    if not expert_parallel:
+        check_shards(layout)
     if free is not None:
         check_fits(layout, free, device_type)
     elif device_type == "cuda":
@@ -191,40 +192,48 @@ def check_sharding(config, size: int, device_type: str, dtype=None, free: int | 
     return type(model)
 
 
-def load_sharded(model_class, path: str | None, size: int, device: str | None = None, **kwargs):
+def load_sharded(model_class, path: str | None, size: int, device: str | None = None, expert_parallel: bool = False,
+                 **kwargs):
     """`model_class.from_pretrained(path, **kwargs)` sharded with transformers' tp_plan="auto" over groups of `size`
     processes (`init_tensor_parallel`), on `device`'s type (`shard_device`): cuda:LOCAL_RANK over NCCL, or the CPU over
-    gloo. Each process reads only its shards of the checkpoint; `check_sharding` runs first. Call it on every process
-    of the launch."""
+    gloo; `expert_parallel`: a MoE model's experts split whole over the group. Each process reads only its shards of
+    the checkpoint. With a config (`config=` or the checkpoint directory's), the sizes are checked and the model's
+    plans spelled out before anything loads (`weights.sharding`, `check_layout`). Call it on every process of the
+    launch."""
+    config = kwargs.get("config")
+    if config is None and (expert_parallel or (path is not None and os.path.isdir(path))):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+    distributed_config = sharding_config(model_class, config, size, expert_parallel)
     device_type = init_tensor_parallel(size, device)
-    check_sharding(kwargs.get("config") or path, size, device_type, kwargs.get("dtype"))
-    return _from_pretrained_sharded(model_class, path, size, device_type, **kwargs)
+    if config is not None:
+        check_layout(config, size, device_type, kwargs.get("dtype"), expert_parallel)
 
-
-def _from_pretrained_sharded(model_class, path: str | None, size: int, device_type: str, **kwargs):
-    from transformers import DistributedConfig
+    def load(config):
+        given = kwargs if config is None else {**kwargs, "config": config}
+        return model_class.from_pretrained(path, distributed_config=distributed_config, **given)
 
     with _transformers_sees(device_type):
-        return model_class.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto", tp_size=size),
-                                           **kwargs)
+        return load_untied(load, config)
 
 
-def build_sharded(config, size: int, device: str | None = None, dtype=None, seed: int = 0):
+def build_sharded(config, size: int, device: str | None = None, dtype=None, seed: int = 0,
+                  expert_parallel: bool = False):
     """Random weights of `config` sharded over groups of `size` processes, never whole on any: transformers builds
     the model on the meta device, splits it by tp_plan and gives each process only its shards, which it initializes
     where they live (cuda:LOCAL_RANK, or the CPU). The same `seed` on every process makes the weights kept whole
     (norms, router, embeddings, attention when the plan keeps it whole) agree; the shards may differ. Call it on every
     process of the launch."""
-    device_type = init_tensor_parallel(size, device)
-    model_class = check_sharding(config, size, device_type, dtype)
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.utils import logging
 
     torch.manual_seed(seed)
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # its load report would list every weight as missing from the checkpoint
     try:
-        return _from_pretrained_sharded(model_class, None, size, device_type, config=config, state_dict={},
-                                        dtype=dtype)
+        return load_sharded(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], None, size, device, expert_parallel,
+                            config=config, state_dict={}, dtype=dtype)
     finally:
         logging.set_verbosity(verbosity)
 

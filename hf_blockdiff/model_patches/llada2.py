@@ -24,6 +24,7 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeModelOutputWithPast
+from transformers.models.glm4_moe.configuration_glm4_moe import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeForCausalLM, Glm4MoeMLP, Glm4MoeMoE,
                                                             Glm4MoePreTrainedModel, Glm4MoeRMSNorm,
                                                             apply_rotary_pos_emb)
@@ -47,6 +48,9 @@ class LLaDA2MoeConfig(ReleasedConfig, PreTrainedConfig):
 
     model_type = "llada2_moe"
     attribute_map = {"num_local_experts": "num_experts", "n_shared_experts": "num_shared_experts"}
+    # GLM-4-MoE's experts plan (the same module names), in the form of the installed transformers (their forms differ:
+    # weights/sharding.py)
+    base_model_ep_plan = Glm4MoeConfig.base_model_ep_plan
     base_model_tp_plan = {  # the fused q/k/v projection cannot be split by heads: attention stays replicated
         "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "layers.*.mlp.experts.down_proj": "rowwise",

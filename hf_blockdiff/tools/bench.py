@@ -9,8 +9,8 @@ step). LLaDA2 models: diffusers' LLaDA2Pipeline (tools/diffusers_reference.py) a
 (tools/moe_timing.py). The report gives tok/s, ms per forward, forwards (NFE), tokens per forward (TPF, per prompt),
 peak memory and the speedup, with the exact settings, and the wall time of the process's first call (torch.compile,
 graph capture and warm-up included: the cold start). `--tensor-parallel` under `torchrun` shards the model with
-transformers' tp_plan="auto" over the launch's processes on `--device` (tools/bench_models.py); the first process
-reports.
+transformers' tp_plan="auto" over the launch's processes on `--device` (tools/bench_models.py), `--expert-parallel`
+its experts by expert; the first process reports.
 """
 
 from __future__ import annotations
@@ -166,13 +166,20 @@ def bench(args) -> dict:
                                or args.shared_prefix):
         raise ValueError("--compile-cache times the block-decoding bench's first call: drop it with "
                          "--num-return-sequences, --shared-prefix and the diffusion-gemma shapes.")
+    if args.expert_parallel and not args.tensor_parallel:
+        raise ValueError("--expert-parallel splits a MoE model's experts over the processes of --tensor-parallel: add "
+                         "--tensor-parallel (under torchrun --nproc_per_node N)")
     if SHAPES[args.shape]["model_type"] == "diffusion_gemma":
+        if args.tensor_parallel:
+            raise ValueError("the diffusion-gemma shapes bench one process: drop --tensor-parallel and "
+                             "--expert-parallel (generate shards DiffusionGemma: load_sharded)")
         from .diffusion_gemma_bench import bench as diffusion_gemma_bench
 
         return diffusion_gemma_bench(args)
     device, dtype = args.device, getattr(torch, args.dtype)
     started = time.perf_counter()
-    model = build_model(args.shape, args.model, device, dtype, args.quantization, args.tensor_parallel, args.layers)
+    model = build_model(args.shape, args.model, device, dtype, args.quantization, args.tensor_parallel, args.layers,
+                        args.expert_parallel)
     build_s = round(time.perf_counter() - started, 1)  # random weights are initialized, checkpoints read, here
     vocab = model.config.get_text_config().vocab_size
     mask_id = model_profile(model).mask_token_id
@@ -224,7 +231,8 @@ def _memory_per_gpu(model, peak: int | None) -> dict:
 
 def _device_name(args) -> str:
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    return f"{name} x {launch_size()} (tensor parallel)" if args.tensor_parallel else name
+    kind = "tensor + expert parallel" if args.expert_parallel else "tensor parallel"
+    return f"{name} x {launch_size()} ({kind})" if args.tensor_parallel else name
 
 
 def _rollout_report(args, model, cfg: BlockDiffusionConfig, prompts: torch.Tensor) -> dict:
@@ -309,6 +317,9 @@ def _add_model_flags(parser) -> None:
                         help="shard the model with transformers' tp_plan='auto' over the processes of a torchrun "
                         "launch, on --device: cuda (each process on its own GPU, NCCL) or cpu (gloo); the first "
                         "process reports (default: off)")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="with --tensor-parallel, a MoE model's experts split whole over the processes "
+                        "(num_experts / N each), attention still tensor parallel (default: off)")
 
 
 def add_parser(commands) -> None:

@@ -26,6 +26,8 @@ from .all_reduce import partial_sums, sums_for
 from .shard_layout import plan_style, sharded_dim
 
 LOCAL_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")  # a gathered LM head keeps its forward
+# the last: the KV heads of Gemma 4's (so DiffusionGemma's) full-attention layers
+HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "num_global_key_value_heads")
 
 
 def tensor_parallel_size(model) -> int:
@@ -35,10 +37,15 @@ def tensor_parallel_size(model) -> int:
 
 def check_tensor_parallel(model) -> None:
     size = tensor_parallel_size(model)
-    if size == 1:
-        return
-    heads = {name: getattr(model.config, name, None) for name in ("num_attention_heads", "num_key_value_heads")}
-    uneven = {name: n for name, n in heads.items() if n is not None and n % size}
+    if size > 1:
+        check_head_counts(model.config, size)
+
+
+def check_head_counts(config, size: int) -> None:
+    """A ValueError naming the fix unless `size` processes split the (text) config's attention heads evenly."""
+    text = config.get_text_config()
+    heads = {name: getattr(text, name, None) for name in HEAD_COUNTS}
+    uneven = {name: n for name, n in heads.items() if isinstance(n, int) and n % size}
     if uneven:
         counts = ", ".join(f"{name}={n}" for name, n in uneven.items())
         raise ValueError(

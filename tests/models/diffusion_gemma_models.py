@@ -22,17 +22,19 @@ CONFIGS = {
 }
 
 
-def tiny_diffusion_gemma(name: str, seed: int = 0, logit_scale: float = 12.0):
+def tiny_diffusion_gemma(name: str, seed: int = 0, logit_scale: float = 12.0, vision: dict | None = None,
+                         **text_config):
     """A random fp32 DiffusionGemma whose decoder's final norm is scaled by `logit_scale`, so its distributions are
-    peaked enough for the entropy bound to accept several tokens per step."""
+    peaked enough for the entropy bound to accept several tokens per step; `text_config` overrides its text sizes,
+    `vision` its (unused, default-sized) vision tower's."""
     layer_types, experts, top_k = CONFIGS[name]
     text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=len(layer_types),
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
                 num_global_key_value_heads=1, sliding_window=WINDOW, layer_types=layer_types, num_experts=experts,
                 top_k_experts=top_k, moe_intermediate_size=16, max_position_embeddings=256, pad_token_id=0,
-                eos_token_id=1, bos_token_id=2)
-    config = transformers.DiffusionGemmaConfig(text_config=text, vision_config={"model_type": "gemma4_vision"},
-                                               canvas_length=CANVAS, image_token_id=VOCAB + 10)
+                eos_token_id=1, bos_token_id=2) | text_config
+    config = transformers.DiffusionGemmaConfig(text_config=text, canvas_length=CANVAS, image_token_id=VOCAB + 10,
+                                               vision_config={"model_type": "gemma4_vision", **(vision or {})})
     torch.manual_seed(seed)
     model = transformers.DiffusionGemmaForBlockDiffusion(config).eval()
     with torch.no_grad():
