@@ -93,8 +93,8 @@ def test_llada2_flash_bytes_per_gpu(flash):
 
 def test_check_layout_before_anything_is_built():
     config = shape_config("llada2-tiny")
-    assert check_layout(config, 2, "cpu", torch.float32) is LLaDA2MoeModelLM  # the CPU sets no limit
+    check_layout(LLaDA2MoeModelLM, config, 2, "cpu", torch.float32)  # the CPU sets no limit
     with pytest.raises(ValueError, match=r"but cuda has 0\.0 GB free .*, or load it in bfloat16 \(--dtype bfloat16\)"):
-        check_layout(config, 2, "cuda", torch.float32, free=10**6)
+        check_layout(LLaDA2MoeModelLM, config, 2, "cuda", torch.float32, free=10**6)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
-        check_layout(config, 3, "cpu", "auto")
+        check_layout(LLaDA2MoeModelLM, config, 3, "cpu", "auto")

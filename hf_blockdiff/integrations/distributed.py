@@ -170,18 +170,17 @@ def _transformers_sees(device_type: str):
             torch._C._get_accelerator = built
 
 
-def check_layout(config, size: int, device_type: str, dtype=None, expert_parallel: bool = False,
-                 free: int | None = None):
-    """Before a model of `config` is built or loaded over `size` processes: a ValueError when tp_plan cannot split
-    its weights evenly (the experts' split is `weights.sharding`'s to check under `expert_parallel`), or when the
-    weights one process holds do not fit its GPU (`free` bytes; None: what the bound GPU has free; never checked on
-    the CPU). Returns the causal-LM class, read off a copy on the meta device."""
-    from transformers import AutoModelForCausalLM
-
+def check_layout(model_class, config, size: int, device_type: str, dtype=None, expert_parallel: bool = False,
+                 free: int | None = None) -> None:
+    """Before a `model_class` (a model class or an auto class) of `config` is built or loaded over `size` processes,
+    on a copy on the meta device: a ValueError when tp_plan cannot split its weights evenly (the experts' split is
+    `weights.sharding`'s to check under `expert_parallel`), or when the weights one process holds do not fit its GPU
+    (`free` bytes; None: what the bound GPU has free; never checked on the CPU)."""
     if isinstance(dtype, str):  # "auto": the checkpoint's own
         dtype = getattr(torch, str(getattr(config, "dtype", None) or "float32").removeprefix("torch."))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        build = getattr(model_class, "from_config", None) or model_class._from_config
+        model = build(config, dtype=dtype)
     layout = shard_layout(model, size)
     if not expert_parallel:
         check_shards(layout)
@@ -189,7 +188,6 @@ def check_layout(config, size: int, device_type: str, dtype=None, expert_paralle
         check_fits(layout, free, device_type)
     elif device_type == "cuda":
         check_fits(layout, torch.cuda.mem_get_info()[0], f"cuda:{torch.cuda.current_device()}")
-    return type(model)
 
 
 def load_sharded(model_class, path: str | None, size: int, device: str | None = None, expert_parallel: bool = False,
@@ -208,7 +206,7 @@ def load_sharded(model_class, path: str | None, size: int, device: str | None = 
     distributed_config = sharding_config(model_class, config, size, expert_parallel)
     device_type = init_tensor_parallel(size, device)
     if config is not None:
-        check_layout(config, size, device_type, kwargs.get("dtype"), expert_parallel)
+        check_layout(model_class, config, size, device_type, kwargs.get("dtype"), expert_parallel)
 
     def load(config):
         given = kwargs if config is None else {**kwargs, "config": config}
