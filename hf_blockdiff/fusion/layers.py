@@ -39,7 +39,7 @@ from ..cache.keyword import kv_cache_argument
 from ..kernels import TRITON_AVAILABLE
 from ..kernels.rmsnorm import add_rms_norm
 from ..kernels.skinny_gemm import gated_linear, grouped_linear, linear_residual
-from ..weights.tensor_parallel import row_parallel
+from ..weights.tensor_parallel import finish_row_parallel, row_parallel
 
 GATED_MLPS = (LlamaMLP, Qwen2MLP, Qwen3MLP, Qwen3MoeMLP)
 QWEN_ATTENTIONS = (Qwen2Attention, Qwen3Attention, Qwen3MoeAttention)  # one forward (q/k norms optional)
@@ -54,7 +54,7 @@ def unhooked(module: torch.nn.Module) -> bool:
     """No forward hooks, no forward set on the instance (accelerate's offload and dispatch hooks set one) but the
     row-parallel one of a sharded layer while decoding (`weights.tensor_parallel.sharded_decoding`)."""
     return (not module._forward_hooks and not module._forward_pre_hooks and not hasattr(module, "_hf_hook")
-            and ("forward" not in vars(module) or row_parallel(module) is not None))
+            and ("forward" not in vars(module) or row_parallel(module)))
 
 
 def _plain(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -70,15 +70,15 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 def _project(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`linear(x)`; a row-parallel layer's partial product summed over the ranks."""
     sharded = row_parallel(linear)
-    (out,) = grouped_linear(_flat(x), [linear.weight], [linear.bias if sharded is None else None])
-    return (out if sharded is None else sharded.finish(out)).view(*x.shape[:-1], out.shape[-1])
+    (out,) = grouped_linear(_flat(x), [linear.weight], [None if sharded else linear.bias])
+    return (finish_row_parallel(linear, out) if sharded else out).view(*x.shape[:-1], out.shape[-1])
 
 
 def fused_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The gated MLP; `residual`: added in the down projection's launch (`fused_layer_forward`)."""
     hidden = gated_linear(_flat(x), self.gate_proj.weight, self.up_proj.weight)
     down = self.down_proj
-    if residual is None or row_parallel(down) is not None:  # a partial product: the residual after the sum
+    if residual is None or row_parallel(down):  # a partial product: the residual after the sum
         out = _project(down, hidden.view(*x.shape[:-1], hidden.shape[-1]))
         return out if residual is None else out + residual
     return linear_residual(hidden, down.weight, down.bias, _flat(residual)).view(residual.shape)

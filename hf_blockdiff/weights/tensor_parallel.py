@@ -66,26 +66,25 @@ def kv_head_shards(model) -> int:
     return size if size > 1 and split else 1
 
 
-class RowParallel:
-    """The forward of a row-parallel `nn.Linear` on its local shard (an instance's `forward` inside
-    `sharded_decoding`): the partial product, summed over the ranks, then the bias once."""
-
-    def __init__(self, linear: torch.nn.Linear, group_name: str):
-        self.linear, self.group_name = linear, group_name
-
-    def finish(self, partial: torch.Tensor) -> torch.Tensor:
-        """The layer's output from this rank's partial product (no bias in it)."""
-        out = partial_sums(partial, self.group_name)
-        return out if self.linear.bias is None else out + self.linear.bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.finish(torch.nn.functional.linear(x, self.linear.weight))
+SUMS = "blockdiff_partial_sums"  # a row-parallel layer's attribute inside `sharded_decoding`: the group it sums over
 
 
-def row_parallel(module: torch.nn.Module) -> RowParallel | None:
-    """The module's `RowParallel` forward inside `sharded_decoding`, else None."""
-    forward = vars(module).get("forward")
-    return forward if isinstance(forward, RowParallel) else None
+def row_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a row-parallel `nn.Linear` on its local shard (bound to it inside `sharded_decoding`): the
+    partial product, summed over the ranks, then the bias once. One function for every layer (an object per layer
+    would be a guard per layer to torch.compile, and a recompile at each)."""
+    return finish_row_parallel(self, torch.nn.functional.linear(x, self.weight))
+
+
+def finish_row_parallel(linear: torch.nn.Linear, partial: torch.Tensor) -> torch.Tensor:
+    """A row-parallel layer's output from this rank's partial product (no bias in it)."""
+    out = partial_sums(partial, getattr(linear, SUMS))
+    return out if linear.bias is None else out + linear.bias
+
+
+def row_parallel(module: torch.nn.Module) -> bool:
+    """Whether the module runs `row_parallel_forward` (inside `sharded_decoding`)."""
+    return getattr(vars(module).get("forward"), "__func__", None) is row_parallel_forward
 
 
 # id(DTensor parameter) -> (a weak reference to it, its local shard); an entry leaves with its parameter (tensors
@@ -108,9 +107,9 @@ def _group(param):
     return mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp")
 
 
-def _local_swaps(model) -> list[tuple[torch.nn.Module, dict, dict]]:
-    """(module, its local parameters, its forward: None or a RowParallel) for every module of a style in LOCAL_STYLES
-    whose parameters are all DTensors (linear layers only, but for replicated norms)."""
+def _local_swaps(model) -> list[tuple[torch.nn.Module, dict, str | None]]:
+    """(module, its local parameters, the group a row-parallel one sums over, else None) for every module of a style
+    in LOCAL_STYLES whose parameters are all DTensors (linear layers only, but for replicated norms)."""
     from torch.distributed.tensor import DTensor
 
     plan, swaps = model.tp_plan, []
@@ -122,8 +121,8 @@ def _local_swaps(model) -> list[tuple[torch.nn.Module, dict, dict]]:
         if (style not in LOCAL_STYLES
                 or (type(module) is not torch.nn.Linear and style != "replicated_with_grad_allreduce")):
             continue
-        forward = RowParallel(module, sums_for(_group(params["weight"]))) if style == "rowwise" else None
-        swaps.append((module, {key: _local(p) for key, p in params.items()}, forward))
+        group = sums_for(_group(params["weight"])) if style == "rowwise" else None
+        swaps.append((module, {key: _local(p) for key, p in params.items()}, group))
     return swaps
 
 
@@ -135,14 +134,15 @@ def sharded_decoding(model):
     swaps = _local_swaps(model) if tensor_parallel_size(model) > 1 else []
     saved = [(module, dict(module._parameters), vars(module)["forward"]) for module, _, _ in swaps]
     try:
-        for module, params, forward in swaps:
+        for module, params, group in swaps:
             module._parameters.update(params)
-            if forward is None:
-                del module.forward
-            else:
-                module.forward = forward
+            del module.forward
+            if group is not None:
+                setattr(module, SUMS, group)
+                module.forward = row_parallel_forward.__get__(module)
         yield
     finally:
         for module, params, forward in saved:
             module._parameters.update(params)
             module.forward = forward
+            vars(module).pop(SUMS, None)
