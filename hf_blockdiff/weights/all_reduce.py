@@ -1,25 +1,28 @@
 """The all-reduce of a row-parallel layer's partial outputs while decoding (`tensor_parallel.sharded_decoding`): torch's
-one-shot and two-shot all-reduces over symmetric memory (NVLink loads and stores, no multicast) on CUDA for the
-messages of a decode step, the group's backend (NCCL, gloo) otherwise; an op, so torch.compile and CUDA graphs take it
-as one call (docs/benchmarks.md, "Tensor parallel")."""
+two-shot all-reduce over symmetric memory (NVLink loads and stores, no multicast) on CUDA for the mid-size messages of
+a decode step at larger batches, the group's backend (NCCL, gloo) otherwise; an op, so torch.compile and CUDA graphs
+take it as one call (docs/benchmarks.md, "Tensor parallel").
+
+Not torch's one-shot kernel, though it is the fastest below 512 KB: it synchronizes the ranks before reading its peers'
+buffers but not after, so a rank running ahead copies its next message over the buffer a peer is still reading.
+Compiled tensor-parallel layers on two GPUs decoded other tokens than one GPU with it."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-# the symmetric-memory kernels against NCCL on two H200s (docs/benchmarks.md, "Tensor parallel"): one-shot (every
-# rank loads every peer's copy) wins up to about 512 KB, a decode step's reductions at batch 1 being 32 KB; two-shot
-# (each rank reduces a slice, then gathers) from there to the buffer's size, at batch 32 about 1.3 MB
-ONE_SHOT_BYTES = 512 * 1024
+# two-shot (each rank reduces a slice, then gathers it) against NCCL on two H200s (docs/benchmarks.md, "Tensor
+# parallel"): about even below 512 KB (a decode step's reductions at batch 1 are 32 KB), twice as fast at 2 MB (about
+# a step's at batch 32)
+TWO_SHOT_MIN_BYTES = 512 * 1024
 TWO_SHOT_BYTES = 8 * 1024 * 1024
 SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class Sums:
-    """Sum over one process group's ranks: over a symmetric-memory buffer (NVLink loads and stores, no multicast) on
-    CUDA where torch has it, one-shot up to ONE_SHOT_BYTES and two-shot up to TWO_SHOT_BYTES, else the group's backend
-    (NCCL, gloo)."""
+    """Sum over one process group's ranks: two-shot over a symmetric-memory buffer for messages from
+    TWO_SHOT_MIN_BYTES to TWO_SHOT_BYTES on CUDA where torch has it, else the group's backend (NCCL, gloo)."""
 
     def __init__(self, group):
         self.group, self.name, self.buffer = group, group.group_name, None
@@ -33,13 +36,10 @@ class Sums:
         x = x.contiguous()
         out = torch.empty_like(x)
         size = x.numel() * x.element_size()
-        if self.buffer is not None and x.dtype in SYMMETRIC_DTYPES and size <= TWO_SHOT_BYTES:
-            shared, flat = self.buffer.view(x.dtype)[: x.numel()], x.view(-1)
-            if size <= ONE_SHOT_BYTES:
-                torch.ops.symm_mem.one_shot_all_reduce_copy_out(shared, flat, "sum", self.name, out.view(-1))
-            else:
-                shared.copy_(flat)
-                torch.ops.symm_mem.two_shot_all_reduce_out(shared, "sum", self.name, out.view(-1))
+        if self.buffer is not None and x.dtype in SYMMETRIC_DTYPES and TWO_SHOT_MIN_BYTES < size <= TWO_SHOT_BYTES:
+            shared = self.buffer.view(x.dtype)[: x.numel()]
+            shared.copy_(x.view(-1))
+            torch.ops.symm_mem.two_shot_all_reduce_out(shared, "sum", self.name, out.view(-1))
             return out
         out.copy_(x)
         dist.all_reduce(out, group=self.group)
@@ -52,7 +52,7 @@ def _symmetric_memory():
         import torch.distributed._symmetric_memory as symm_mem
     except ImportError:
         return None
-    return symm_mem if hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out") else None
+    return symm_mem if hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out") else None
 
 
 _SUMS: dict[str, Sums] = {}  # by process group name: one symmetric buffer per group, made once, collectively
@@ -67,7 +67,7 @@ def partial_sums(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 @partial_sums.register_fake
 def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the op returns it
 
 
 def sums_for(group) -> str:
