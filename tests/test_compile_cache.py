@@ -89,6 +89,17 @@ def test_the_directory_keeps_the_newest_files(model, compiled, tmp_path):
     assert len(kept) == compile_cache.MAX_FILES and path.name in kept and "old0.bin" not in kept
 
 
+def test_tritons_cache_in_the_directory_keeps_its_newest_kernels(model, compiled, tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_cache, "MAX_TRITON_BYTES", 250)
+    for index in range(5):  # 100 bytes a kernel folder, the oldest first
+        folder = tmp_path / "triton" / f"kernel{index}"
+        folder.mkdir(parents=True)
+        (folder / "kernel.cubin").write_bytes(b"x" * 100)
+        os.utime(folder, (index, index))
+    compile_cache.save(model, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "triton").iterdir()) == ["kernel3", "kernel4"]
+
+
 def test_warmup_decodes_each_batch_size_then_saves(model, compiled, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(model, "generate_multi_block", lambda ids, config: calls.append(tuple(ids.shape)))

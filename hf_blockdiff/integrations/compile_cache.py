@@ -6,7 +6,8 @@ build or before training starts (`hf-blockdiff warmup`).
 Our own Triton kernels are compiled by Triton, not torch.compile: `load` points Triton's cache (`TRITON_CACHE_DIR`,
 for the whole process) into the directory's `triton/` unless the variable is set, so their binaries travel too
 (Triton keys them by source, version and GPU). A file holds one model's artifacts (its config, dtype and
-tensor-parallel size) for one environment (torch, triton, GPU); the directory keeps the newest `MAX_FILES`. Several
+tensor-parallel size) for one environment (torch, triton, GPU); the directory keeps the newest `MAX_FILES`, and its
+`triton/` the most recently written kernels within `MAX_TRITON_BYTES`. Several
 processes may save at once (torchrun ranks): each writes a file of its own and renames it into place, so a reader
 sees a whole file. A directory that cannot be read or written, or holds only other environments' artifacts, gives a
 warning naming the cause and a cold start."""
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from ..patching import free_cache
 from ..weights.tensor_parallel import tensor_parallel_size
 
 MAX_FILES = 16
+MAX_TRITON_BYTES = 2 * 1024**3  # Triton's cache in the directory (a kernel a folder, 10-500 KB each)
 
 
 def environment() -> dict:
@@ -106,6 +109,7 @@ def save(model, directory: str | os.PathLike) -> Path | None:
             partial.write_bytes(data)
             os.replace(partial, target)
         _keep_newest(path.parent)
+        _bound_triton(path.parent / "triton")
     except OSError as error:
         warnings.warn(f"compile cache {directory}: not writable ({error}); nothing saved, the next process compiles.")
         return None
@@ -117,6 +121,21 @@ def _keep_newest(directory: Path) -> None:
     for old in files[MAX_FILES:]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)
+
+
+def _bound_triton(root: Path) -> None:
+    """Remove the least recently written kernel folders of Triton's cache under `root` until it holds at most
+    MAX_TRITON_BYTES (a process that wanted one compiles it again)."""
+    if not root.is_dir():
+        return
+    folders = [(folder.stat().st_mtime, sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()), folder)
+               for folder in root.iterdir() if folder.is_dir()]
+    total = sum(size for _, size, _ in folders)
+    for _, size, folder in sorted(folders, key=lambda entry: entry[0]):
+        if total <= MAX_TRITON_BYTES:
+            return
+        shutil.rmtree(folder, ignore_errors=True)
+        total -= size
 
 
 def warmup(model, directory: str | os.PathLike, batch_sizes=(1, 32, 128), prompt_len: int = 256,

@@ -29,7 +29,7 @@ import torch
 
 from ..config import BlockDiffusionConfig
 from ..weights.shard_layout import check_fits, check_shards, shard_layout
-from ..weights.sharding import load_untied, sharding_config
+from ..weights.sharding import load_untied, meta_model, sharding_config
 from ..weights.tensor_parallel import tensor_parallel_size
 from .completions import Completions, complete
 
@@ -178,10 +178,7 @@ def check_layout(model_class, config, size: int, device_type: str, dtype=None, e
     (`free` bytes; None: what the bound GPU has free; never checked on the CPU)."""
     if isinstance(dtype, str):  # "auto": the checkpoint's own
         dtype = getattr(torch, str(getattr(config, "dtype", None) or "float32").removeprefix("torch."))
-    with torch.device("meta"):
-        build = getattr(model_class, "from_config", None) or model_class._from_config
-        model = build(config, dtype=dtype)
-    layout = shard_layout(model, size)
+    layout = shard_layout(meta_model(model_class, config, dtype), size)
     if not expert_parallel:
         check_shards(layout)
     if free is not None:

@@ -21,6 +21,11 @@ def sharded_dim(style: str, ndim: int) -> int | None:
     return ndim - 1 if "rowwise" in style and ndim > 1 else None
 
 
+def generic_name(name: str) -> str:
+    """A module or parameter name as a plan names it: layer numbers as `*` (`layers.3.mlp` -> `layers.*.mlp`)."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
 def plan_style(plan: dict[str, str], name: str) -> str | None:
     """The plan's style for parameter `name`: its own rule, else its module's (`layers.*` numbers any layer)."""
     owner = name.rsplit(".", 1)[0]
@@ -72,7 +77,7 @@ def shard_layout(model, size: int) -> ShardLayout:
         length = parameter.shape[dim] // 2 if style.startswith("packed") else parameter.shape[dim]  # [gate | up]
         layout.splits.add(length)
         if length % size:
-            rule = re.sub(r"\.\d+\.", ".*.", name)
+            rule = generic_name(name)
             layout.uneven[rule] = f"{rule} ({parameter.shape[dim]} along dimension {dim}, {style})"
         layout.sharded += nbytes // size
         layout.whole_sharded += nbytes

@@ -23,6 +23,7 @@ import re
 
 import torch
 
+from .shard_layout import generic_name
 from .tensor_parallel import check_head_counts
 
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -93,14 +94,20 @@ TIED_MODULES = {"diffusion_gemma": {"model.encoder.language_model.": "model.deco
 TIED_LM_HEAD = {"lm_head": "colwise_gather_output"}
 
 
-def model_plans(model_class, config) -> tuple[dict[str, str], dict[str, str]]:
-    """The TP and EP plans of a `model_class` of `config` (built on the meta device), by full module name, with the
-    rules of `TIED_MODULES` given to the modules tied to theirs."""
+def meta_model(model_class, config, dtype=None):
+    """A `model_class` (a model class or an auto class) of `config` on the meta device: its plans and sizes, no
+    memory."""
     build = model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config
     with torch.device("meta"):
-        model = build(config)
+        return build(config) if dtype is None else build(config, dtype=dtype)
+
+
+def model_plans(model_class, config) -> tuple[dict[str, str], dict[str, str]]:
+    """The TP and EP plans of a `model_class` of `config` (`meta_model`), by full module name, with the rules of
+    `TIED_MODULES` given to the modules tied to theirs."""
+    model = meta_model(model_class, config)
     named = [*model.named_modules(remove_duplicate=False), *model.named_parameters(remove_duplicate=False)]
-    names = {re.sub(r"\.\d+(?=\.|$)", ".*", name) for name, _ in named}
+    names = {generic_name(name) for name, _ in named}
 
     def tied(plan: dict[str, str]) -> dict[str, str]:
         twins = {source + name[len(prefix):]: rule for name, rule in plan.items()
