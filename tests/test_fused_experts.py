@@ -79,8 +79,9 @@ def decode_counting_experts(monkeypatch, lengths, seed, backends=("sdpa", "trito
 
 def test_decoding_runs_the_kernel_and_keeps_the_tokens(monkeypatch):
     """Triton backend (TRITON_INTERPRET on CPU): every denoising forward's experts on the kernel, tokens equal to the
-    sdpa backend's (transformers' own experts forward); the model's forwards are back after the call."""
-    model, (plain, fused), calls = decode_counting_experts(monkeypatch, (9, 4, 6), seed=5)
+    sdpa backend's (transformers' own experts forward); the model's forwards are back after the call. The attentions
+    keep their stock forwards: their fused ones are test_fused_layers.py's, the same functions for Qwen3-MoE."""
+    model, (plain, fused), calls = decode_counting_experts(monkeypatch, (9, 4, 6), seed=5, experts_only=True)
     assert torch.equal(plain, fused)
     assert len(calls) >= 2 * 4 and min(calls) <= 12  # two MoE layers per forward, denoising forwards of 12 tokens
     assert all("forward" not in vars(m) for m in model.modules())
