@@ -14,6 +14,7 @@ from hf_blockdiff.integrations.distributed import check_layout
 from hf_blockdiff.model_patches.llada2 import LLaDA2MoeModelLM
 from hf_blockdiff.tools.bench_models import shape_config
 from hf_blockdiff.weights.shard_layout import check_fits, check_shards, shard_layout
+from hf_blockdiff.weights.sharding import meta_model
 
 from test_distributed import torchrun
 
@@ -92,9 +93,9 @@ def test_llada2_flash_bytes_per_gpu(flash):
 
 
 def test_check_layout_before_anything_is_built():
-    config = shape_config("llada2-tiny")
-    check_layout(LLaDA2MoeModelLM, config, 2, "cpu", torch.float32)  # the CPU sets no limit
+    model = meta_model(LLaDA2MoeModelLM, shape_config("llada2-tiny"), torch.float32)
+    check_layout(model, 2, "cpu")  # the CPU sets no limit
     with pytest.raises(ValueError, match=r"but cuda has 0\.0 GB free .*, or load it in bfloat16 \(--dtype bfloat16\)"):
-        check_layout(LLaDA2MoeModelLM, config, 2, "cuda", torch.float32, free=10**6)
+        check_layout(model, 2, "cuda", free=10**6)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
-        check_layout(LLaDA2MoeModelLM, config, 3, "cpu", "auto")
+        check_layout(model, 3, "cpu")

@@ -29,7 +29,7 @@ import torch
 
 from ..config import BlockDiffusionConfig
 from ..weights.shard_layout import check_fits, check_shards, shard_layout
-from ..weights.sharding import load_untied, meta_model, sharding_config
+from ..weights.sharding import check_sharding, load_untied, meta_model, sharding_config
 from ..weights.tensor_parallel import tensor_parallel_size
 from .completions import Completions, complete
 
@@ -170,15 +170,12 @@ def _transformers_sees(device_type: str):
             torch._C._get_accelerator = built
 
 
-def check_layout(model_class, config, size: int, device_type: str, dtype=None, expert_parallel: bool = False,
-                 free: int | None = None) -> None:
-    """Before a `model_class` (a model class or an auto class) of `config` is built or loaded over `size` processes,
-    on a copy on the meta device: a ValueError when tp_plan cannot split its weights evenly (the experts' split is
-    `weights.sharding`'s to check under `expert_parallel`), or when the weights one process holds do not fit its GPU
-    (`free` bytes; None: what the bound GPU has free; never checked on the CPU)."""
-    if isinstance(dtype, str):  # "auto": the checkpoint's own
-        dtype = getattr(torch, str(getattr(config, "dtype", None) or "float32").removeprefix("torch."))
-    layout = shard_layout(meta_model(model_class, config, dtype), size)
+def check_layout(model, size: int, device_type: str, expert_parallel: bool = False, free: int | None = None) -> None:
+    """Before `model` (a copy on the meta device, `meta_model`) is built or loaded over `size` processes: a ValueError
+    when tp_plan cannot split its weights evenly (the experts' split is `weights.sharding`'s to check under
+    `expert_parallel`), or when the weights one process holds do not fit its GPU (`free` bytes; None: what the bound
+    GPU has free; never checked on the CPU)."""
+    layout = shard_layout(model, size)
     if not expert_parallel:
         check_shards(layout)
     if free is not None:
@@ -187,23 +184,34 @@ def check_layout(model_class, config, size: int, device_type: str, dtype=None, e
         check_fits(layout, torch.cuda.mem_get_info()[0], f"cuda:{torch.cuda.current_device()}")
 
 
+def _weights_dtype(config, dtype):
+    """`from_pretrained`'s `dtype` as a torch dtype: "auto" is the checkpoint's own."""
+    if isinstance(dtype, str):
+        return getattr(torch, str(getattr(config, "dtype", None) or "float32").removeprefix("torch."))
+    return dtype
+
+
 def load_sharded(model_class, path: str | None, size: int, device: str | None = None, expert_parallel: bool = False,
                  **kwargs):
     """`model_class.from_pretrained(path, **kwargs)` sharded with transformers' tp_plan="auto" over groups of `size`
     processes (`init_tensor_parallel`), on `device`'s type (`shard_device`): cuda:LOCAL_RANK over NCCL, or the CPU over
     gloo; `expert_parallel`: a MoE model's experts split whole over the group. Each process reads only its shards of
-    the checkpoint. With a config (`config=` or the checkpoint directory's), the sizes are checked and the model's
-    plans spelled out before anything loads (`weights.sharding`, `check_layout`). Call it on every process of the
-    launch."""
+    the checkpoint. With a config (`config=` or the checkpoint directory's), the sizes are checked, and the model's
+    plans spelled out and its layout checked on one copy on the meta device, before anything loads
+    (`weights.sharding`, `check_layout`). Call it on every process of the launch."""
     config = kwargs.get("config")
     if config is None and (expert_parallel or (path is not None and os.path.isdir(path))):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path)
-    distributed_config = sharding_config(model_class, config, size, expert_parallel)
-    device_type = init_tensor_parallel(size, device)
+    meta = None
     if config is not None:
-        check_layout(model_class, config, size, device_type, kwargs.get("dtype"), expert_parallel)
+        check_sharding(config, size, expert_parallel)
+        meta = meta_model(model_class, config, _weights_dtype(config, kwargs.get("dtype")))
+    distributed_config = sharding_config(meta, size, expert_parallel)
+    device_type = init_tensor_parallel(size, device)
+    if meta is not None:
+        check_layout(meta, size, device_type, expert_parallel)
 
     def load(config):
         given = kwargs if config is None else {**kwargs, "config": config}

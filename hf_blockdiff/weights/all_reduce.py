@@ -26,9 +26,9 @@ class Sums:
 
     def __init__(self, group):
         self.group, self.name, self.buffer = group, group.group_name, None
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-        if device is not None and _symmetric_memory() is not None:
-            symm_mem = _symmetric_memory()
+        symm_mem = _symmetric_memory() if dist.get_backend(group) == "nccl" else None
+        if symm_mem is not None:
+            device = torch.device("cuda", torch.cuda.current_device())
             self.buffer = symm_mem.empty(TWO_SHOT_BYTES, dtype=torch.uint8, device=device)
             symm_mem.rendezvous(self.buffer, self.name)
 

@@ -62,20 +62,20 @@ def check_sharding(config, size: int, expert_parallel: bool) -> None:
         check_head_counts(config, size)
 
 
-def sharding_config(model_class, config, size: int, expert_parallel: bool):
-    """transformers' `DistributedConfig` sharding a `model_class` of `config` over `size` processes: its tp_plan, with
-    `expert_parallel` its experts by expert (see the module's doc for the two versions). With a config the plans are
-    the model's own, spelled out (`model_plans`); without one, tp_plan="auto"."""
+def sharding_config(model, size: int, expert_parallel: bool):
+    """transformers' `DistributedConfig` sharding `model` (a copy on the meta device, `meta_model`, whose sizes
+    `check_sharding` passed) over `size` processes: its tp_plan, with `expert_parallel` its experts by expert (see the
+    module's doc for the two versions). The plans are the model's own, spelled out (`model_plans`); without a model
+    (no config at hand), tp_plan="auto"."""
     from transformers import DistributedConfig
 
-    if config is None and not expert_parallel:
+    if model is None:
         return DistributedConfig(tp_plan="auto", tp_size=size)
-    check_sharding(config, size, expert_parallel)
-    tensor, experts = model_plans(model_class, config)
+    tensor, experts = model_plans(model)
     if not expert_parallel:
         return DistributedConfig(tp_plan=tensor, tp_size=size)
     if not experts:
-        raise ValueError(f"expert_parallel=True: {model_class.__name__} declares no expert-parallel plan "
+        raise ValueError(f"expert_parallel=True: {type(model).__name__} declares no expert-parallel plan "
                          "(base_model_ep_plan): drop expert_parallel and shard it with tensor_parallel_size alone")
     if "ep_size" in DistributedConfig.__dataclass_fields__:
         return DistributedConfig(tp_plan=tensor, tp_size=size, ep_size=size, ep_plan=experts)
@@ -102,10 +102,10 @@ def meta_model(model_class, config, dtype=None):
         return build(config) if dtype is None else build(config, dtype=dtype)
 
 
-def model_plans(model_class, config) -> tuple[dict[str, str], dict[str, str]]:
-    """The TP and EP plans of a `model_class` of `config` (`meta_model`), by full module name, with the rules of
-    `TIED_MODULES` given to the modules tied to theirs."""
-    model = meta_model(model_class, config)
+def model_plans(model) -> tuple[dict[str, str], dict[str, str]]:
+    """The TP and EP plans of `model` (`meta_model`), by full module name, with the rules of `TIED_MODULES` given to
+    the modules tied to theirs."""
+    config = model.config
     named = [*model.named_modules(remove_duplicate=False), *model.named_parameters(remove_duplicate=False)]
     names = {generic_name(name) for name, _ in named}
 
