@@ -10,6 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.integrations.distributed import launch_size
 from hf_blockdiff.tools.bench_models import build_model
 
 parser = argparse.ArgumentParser()
@@ -18,7 +19,8 @@ parser.add_argument("--new-tokens", type=int, default=64)
 parser.add_argument("--shape", default="sdar-4b")
 parser.add_argument("--tensor-parallel", action="store_true")
 args = parser.parse_args()
-model = build_model(args.shape, None, "cuda", torch.bfloat16, tensor_parallel=args.tensor_parallel)
+model = build_model(args.shape, None, "cuda", torch.bfloat16,
+                    tensor_parallel=launch_size() if args.tensor_parallel else 0)
 cfg = BlockDiffusionConfig(mask_token_id=model.config.mask_token_id, block_size=4, max_new_tokens=args.new_tokens,
                            strategy="low_confidence_static", attention="block_causal", eos_token_id=[])
 torch.manual_seed(0)

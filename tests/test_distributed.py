@@ -141,22 +141,29 @@ def test_cpu_shards_on_a_cuda_build(monkeypatch):
     assert shard_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def bench_tensor_parallel(device: str, env, **launch):
+def bench_tensor_parallel(device: str, env, tp_size: int | None = None, **launch):
     args = ["bench", "--shape", "tiny", "--batch-size", 2, "--prompt-len", 9, "--new-tokens", 8, "--device", device,
             "--dtype", "float32", "--skip-reference", "--json", "--tensor-parallel"]
+    if tp_size is not None:
+        args += ["--tensor-parallel-size", tp_size]
     return torchrun("-m", "hf_blockdiff.cli", *args, env=env, **launch)
 
 
-def check_bench_report(run, device_name: str) -> None:
-    """Only the first process reports; the sharded random weights decode the single process's forwards."""
+def check_bench_report(run, device_name: str, kind: str = "2 (tensor parallel)") -> None:
+    """Only the first process reports; the sharded random weights decode the single process's forwards; data-parallel
+    groups report their tokens together."""
     reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 1 and reports[0]["device"] == f"{device_name} x 2 (tensor parallel)"
+    assert len(reports) == 1 and reports[0]["device"] == f"{device_name} x {kind}"
     assert reports[0]["first_call"]["seconds"] > 0
     assert reports[0]["results"][0]["forwards"] == reports[0]["first_call"]["forwards"] == 12
+    assert reports[0]["results"][0]["tokens"] == 16 and reports[0]["results"][0]["rows"] == 2
 
 
-def test_bench_tensor_parallel():
-    check_bench_report(bench_tensor_parallel("cpu", CPU_ONLY), "cpu")
+def test_bench_tensor_parallel_groups_split_the_batch():
+    """Two groups of two ranks (TP2 x DP2): each decodes one of the two prompts, reported as one call (one group of
+    two: test_bench_tensor_parallel_on_a_gpu_host, on the CPU as well)."""
+    run = bench_tensor_parallel("cpu", CPU_ONLY, tp_size=2, processes=4, timeout=240)
+    check_bench_report(run, "cpu", "4 (tensor parallel 2 x data parallel 2)")
 
 
 @pytest.mark.gpu

@@ -70,10 +70,10 @@ class TensorParallelGroups:
     def groups(self) -> int:
         return self.world_size // self.tp_size
 
-    def gather(self, mine: Completions | Exception) -> list[Completions | Exception]:
-        """Every group's completions (or error) in group order, on every process. The last process to read them
-        deletes the keys, so the store does not grow with the calls."""
-        prefix = f"hf_blockdiff/completions/{next(self.calls)}"
+    def gather(self, mine):
+        """Every group's `mine` (completions, a measurement, or an error) in group order, on every process. The last
+        process to read them deletes the keys, so the store does not grow with the calls."""
+        prefix = f"hf_blockdiff/groups/{next(self.calls)}"
         if self.rank % self.tp_size == 0:
             self.store.set(f"{prefix}/{self.group}", pickle.dumps(mine))
         parts = [pickle.loads(self.store.get(f"{prefix}/{group}")) for group in range(self.groups)]
@@ -222,12 +222,12 @@ def load_sharded(model_class, path: str | None, size: int, device: str | None = 
 
 
 def build_sharded(config, size: int, device: str | None = None, dtype=None, seed: int = 0,
-                  expert_parallel: bool = False):
+                  expert_parallel: bool = False, model_class=None):
     """Random weights of `config` sharded over groups of `size` processes, never whole on any: transformers builds
     the model on the meta device, splits it by tp_plan and gives each process only its shards, which it initializes
     where they live (cuda:LOCAL_RANK, or the CPU). The same `seed` on every process makes the weights kept whole
-    (norms, router, embeddings, attention when the plan keeps it whole) agree; the shards may differ. Call it on every
-    process of the launch."""
+    (norms, router, embeddings, attention when the plan keeps it whole) agree; the shards may differ. `model_class`:
+    the class to build (default: the causal LM of `config`'s type). Call it on every process of the launch."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.utils import logging
 
@@ -235,8 +235,8 @@ def build_sharded(config, size: int, device: str | None = None, dtype=None, seed
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # its load report would list every weight as missing from the checkpoint
     try:
-        return load_sharded(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], None, size, device, expert_parallel,
-                            config=config, state_dict={}, dtype=dtype)
+        return load_sharded(model_class or MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], None, size, device,
+                            expert_parallel, config=config, state_dict={}, dtype=dtype)
     finally:
         logging.set_verbosity(verbosity)
 
@@ -269,20 +269,34 @@ def generate_distributed(model, prompts: list, config: BlockDiffusionConfig | No
     return Completions.joined(gather_object([mine]))
 
 
-def _generate_tensor_parallel(model, prompts: list, config, tokenizer, tp_size: int, **kwargs) -> Completions:
-    """A tensor-parallel model: its group decodes its share (all prompts when one group holds the launch)."""
+def group_share(items: list, tp_size: int) -> list:
+    """This process's tensor-parallel group's contiguous share of `items` (all of them when one group holds the
+    launch)."""
     if tp_size == launch_size():
-        return complete(model, prompts, config, tokenizer, **kwargs)
+        return items
     if _GROUPS is None or _GROUPS.tp_size != tp_size:
         raise ValueError(f"the model is sharded over {tp_size} of the launch's {launch_size()} processes: call "
                          f"init_tensor_parallel({tp_size}) before from_pretrained, or load with "
                          f"load_pretrained(..., tensor_parallel_size={tp_size})")
-    try:
-        mine = complete(model, _share(prompts, _GROUPS.group, _GROUPS.groups), config, tokenizer, **kwargs)
-    except Exception as error:  # published like completions: the other groups raise it too instead of waiting
-        mine = error
-    parts = _GROUPS.gather(mine)
+    return _share(items, _GROUPS.group, _GROUPS.groups)
+
+
+def gather_groups(mine):
+    """Every tensor-parallel group's `mine` (its first rank's) in group order, on every process; an exception from any
+    group is raised on every process instead of leaving the others waiting. One group: [mine]."""
+    parts = [mine] if _GROUPS is None else _GROUPS.gather(mine)
     failure = next((part for part in parts if isinstance(part, Exception)), None)
     if failure is not None:
         raise failure
-    return Completions.joined(parts)
+    return parts
+
+
+def _generate_tensor_parallel(model, prompts: list, config, tokenizer, tp_size: int, **kwargs) -> Completions:
+    """A tensor-parallel model: its group decodes its share (all prompts when one group holds the launch)."""
+    if tp_size == launch_size():
+        return complete(model, prompts, config, tokenizer, **kwargs)
+    try:
+        mine = complete(model, group_share(prompts, tp_size), config, tokenizer, **kwargs)
+    except Exception as error:  # published like completions: the other groups raise it too instead of waiting
+        mine = error
+    return Completions.joined(gather_groups(mine))

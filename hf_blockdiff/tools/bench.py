@@ -27,13 +27,13 @@ from ..config.checks import decoded_block_size
 from ..generation.hf_conventions import as_given
 from ..integrations import compile_cache
 from ..integrations.checkpoint import check_device
-from ..integrations.distributed import is_main_process, launch_size
+from ..integrations.distributed import group_share, is_main_process, launch_size
 from ..patching import free_cache
 from ..config.profiles import model_profile
 from ..strategies import strategy_names
 from ..weights.shard_layout import local_weight_bytes
 from .bench_models import LLADA2, SHAPES, build_model
-from .measure import make_report, measure, recompile_limits_hit
+from .measure import across_groups, make_report, measure, recompile_limits_hit
 from .diffusers_reference import llada2_pipeline
 from .rollout_bench import kv_peak, rollout_runs, with_shared_prefix
 
@@ -161,24 +161,36 @@ def _new_shape_calls(model, cfg: BlockDiffusionConfig, args, vocab: int) -> tupl
                  for name in (" call", ", warm"))
 
 
-def bench(args) -> dict:
+def _check_args(args) -> None:
+    """The bench's flags that do not go together, refused before anything is built."""
     if args.compile_cache and (SHAPES[args.shape]["model_type"] == "diffusion_gemma" or args.num_return_sequences > 1
                                or args.shared_prefix):
         raise ValueError("--compile-cache times the block-decoding bench's first call: drop it with "
                          "--num-return-sequences, --shared-prefix and the diffusion-gemma shapes.")
-    if args.expert_parallel and not args.tensor_parallel:
-        raise ValueError("--expert-parallel splits a MoE model's experts over the processes of --tensor-parallel: add "
-                         "--tensor-parallel (under torchrun --nproc_per_node N)")
+    if (args.expert_parallel or args.tensor_parallel_size) and not args.tensor_parallel:
+        raise ValueError("--expert-parallel and --tensor-parallel-size shard over the processes of --tensor-parallel: "
+                         "add --tensor-parallel (under torchrun --nproc_per_node N)")
+    if args.tensor_parallel and launch_size() < 2:
+        raise ValueError("--tensor-parallel shards over the processes of a launch: run the bench under "
+                         "`torchrun --nproc_per_node N -m hf_blockdiff.cli bench ...` (N dividing the head counts)")
+    if args.tensor_parallel_size and SHAPES[args.shape]["model_type"] == "diffusion_gemma":
+        raise ValueError("the diffusion-gemma shapes bench one tensor-parallel group: drop --tensor-parallel-size")
+    if args.tensor_parallel_size and args.batch_size < launch_size() // args.tensor_parallel_size:
+        raise ValueError(f"--batch-size {args.batch_size} leaves a data-parallel group of --tensor-parallel-size "
+                         f"{args.tensor_parallel_size} without prompts: pass at least one prompt per group "
+                         f"({launch_size() // args.tensor_parallel_size})")
+
+
+def bench(args) -> dict:
+    _check_args(args)
+    tp_size = (args.tensor_parallel_size or launch_size()) if args.tensor_parallel else 0
     if SHAPES[args.shape]["model_type"] == "diffusion_gemma":
-        if args.tensor_parallel:
-            raise ValueError("the diffusion-gemma shapes bench one process: drop --tensor-parallel and "
-                             "--expert-parallel (generate shards DiffusionGemma: load_sharded)")
         from .diffusion_gemma_bench import bench as diffusion_gemma_bench
 
-        return diffusion_gemma_bench(args)
+        return dict(diffusion_gemma_bench(args, tp_size), device=_device_name(args))
     device, dtype = args.device, getattr(torch, args.dtype)
     started = time.perf_counter()
-    model = build_model(args.shape, args.model, device, dtype, args.quantization, args.tensor_parallel, args.layers,
+    model = build_model(args.shape, args.model, device, dtype, args.quantization, tp_size, args.layers,
                         args.expert_parallel)
     build_s = round(time.perf_counter() - started, 1)  # random weights are initialized, checkpoints read, here
     vocab = model.config.get_text_config().vocab_size
@@ -187,7 +199,9 @@ def bench(args) -> dict:
     cfg, reference = _settings(args, model, mask_id)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, min(vocab, mask_id) - 1, (args.batch_size, args.prompt_len), generator=generator)
-    prompts, tokens = prompts.to(model.device), args.batch_size * args.new_tokens  # --tensor-parallel: cuda:LOCAL_RANK
+    if tp_size and tp_size < launch_size():  # data parallel over the groups: each decodes its share of the batch
+        prompts = torch.stack(group_share(list(prompts), tp_size))
+    prompts, tokens = prompts.to(model.device), len(prompts) * args.new_tokens  # --tensor-parallel: cuda:LOCAL_RANK
     if args.num_return_sequences > 1 or args.shared_prefix:
         return _rollout_report(args, model, cfg, prompts)
     results = []
@@ -196,14 +210,14 @@ def bench(args) -> dict:
     def ours():
         return model.generate_multi_block(prompts, cfg, return_dict=True).num_forwards
 
-    first = measure("hf_blockdiff (first call)", ours, device, tokens, args.batch_size)
-    results.append(measure("hf_blockdiff", ours, device, tokens, args.batch_size))
+    first = across_groups(measure("hf_blockdiff (first call)", ours, device, tokens, len(prompts)))
+    results.append(across_groups(measure("hf_blockdiff", ours, device, tokens, len(prompts))))
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None  # of the timed call
     new_shape = _new_shape_calls(model, cfg, args, min(vocab, mask_id) - 1)
     free_cache(model)  # the reference gets the memory of our KV cache and graphs
     if not args.skip_reference:
         results.append(measure(f"reference ({reference.__name__})", lambda: reference(model, prompts, cfg), device,
-                                tokens, args.batch_size))
+                                tokens, len(prompts)))
     report = make_report(args, _device_name(args), first, results)
     report["new_shape_call"] = new_shape[0].row()  # another prompt length and batch size, after the first shape
     report["new_shape_overhead_s"] = round(new_shape[0].seconds - new_shape[1].seconds, 3)  # less its warm time
@@ -232,6 +246,9 @@ def _memory_per_gpu(model, peak: int | None) -> dict:
 def _device_name(args) -> str:
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     kind = "tensor + expert parallel" if args.expert_parallel else "tensor parallel"
+    groups = launch_size() // (args.tensor_parallel_size or launch_size())
+    if groups > 1:
+        kind = f"{kind} {args.tensor_parallel_size} x data parallel {groups}"
     return f"{name} x {launch_size()} ({kind})" if args.tensor_parallel else name
 
 
@@ -317,6 +334,9 @@ def _add_model_flags(parser) -> None:
                         help="shard the model with transformers' tp_plan='auto' over the processes of a torchrun "
                         "launch, on --device: cuda (each process on its own GPU, NCCL) or cpu (gloo); the first "
                         "process reports (default: off)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="with --tensor-parallel: shard over groups of N processes, the groups splitting the batch "
+                        "(data parallel; default: the launch's size, one group)")
     parser.add_argument("--expert-parallel", action="store_true",
                         help="with --tensor-parallel, a MoE model's experts split whole over the processes "
                         "(num_experts / N each), attention still tensor parallel (default: off)")

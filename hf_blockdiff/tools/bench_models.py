@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from ..integrations.distributed import build_sharded, launch_size, load_sharded
+from ..integrations.distributed import build_sharded, load_sharded
 
 QWEN3 = dict(head_dim=128, rope_theta=1_000_000.0, tie_word_embeddings=False)  # every SDAR config below
 QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -104,15 +104,16 @@ def shape_config(shape: str, layers: int | None = None):
 
 
 def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype, quantization: str = "none",
-                tensor_parallel: bool = False, layers: int | None = None, expert_parallel: bool = False):
+                tensor_parallel: int = 0, layers: int | None = None, expert_parallel: bool = False):
     """A checkpoint, or random weights of `shape` (its first `layers` layers; None: all) built on `device`; quantized
     weight-only as transformers' quantizers do it (torchao int8/fp8 applied to the built model; bitsandbytes nf4
-    quantizes while loading, so it needs `model_path`); `tensor_parallel`: sharded over the launch's processes,
-    `expert_parallel` its experts by expert."""
+    quantizes while loading, so it needs `model_path`); `tensor_parallel`: sharded over groups of that many of the
+    launch's processes, `expert_parallel` its experts by expert."""
     from transformers import AutoModelForCausalLM
 
     if tensor_parallel:
-        return _tensor_parallel_model(shape, model_path, device, dtype, quantization, layers, expert_parallel)
+        return _tensor_parallel_model(shape, model_path, device, dtype, quantization, layers, tensor_parallel,
+                                      expert_parallel)
     quantized = _quantization_config(quantization)
     if model_path:
         extra = {} if quantized is None else {"quantization_config": quantized, "device_map": device}
@@ -133,24 +134,19 @@ def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dt
 
 
 def _tensor_parallel_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype, quantization: str,
-                           layers: int | None, expert_parallel: bool = False):
-    """The model sharded with transformers' tp_plan="auto" over every process of the torchrun launch, on `device`'s
-    type (integrations.distributed: cuda:LOCAL_RANK over NCCL, or the CPU over gloo); `expert_parallel`: the experts
-    split whole over the processes. A checkpoint: each process reads its shards (`load_sharded`); random weights:
-    each process initializes only its shards, where they live, with the same seed (`build_sharded`). No process ever
-    holds the whole model."""
+                           layers: int | None, size: int, expert_parallel: bool = False):
+    """The model sharded with transformers' tp_plan="auto" over groups of `size` processes of the torchrun launch
+    (one group: all of them), on `device`'s type (integrations.distributed: cuda:LOCAL_RANK over NCCL, or the CPU
+    over gloo); `expert_parallel`: the experts split whole over the group. A checkpoint: each process reads its shards
+    (`load_sharded`); random weights: each process initializes only its shards, where they live, with the same seed
+    (`build_sharded`). No process ever holds the whole model."""
     if quantization != "none":
         raise ValueError("--tensor-parallel shards unquantized weights: drop --quantization.")
-    if launch_size() < 2:
-        raise ValueError("--tensor-parallel shards over the processes of a launch: run the bench under "
-                         "`torchrun --nproc_per_node N -m hf_blockdiff.cli bench ...` (N dividing the head counts)")
     if model_path:
         from transformers import AutoModelForCausalLM
 
-        return load_sharded(AutoModelForCausalLM, model_path, launch_size(), device, expert_parallel,
-                            dtype=dtype).eval()
-    return build_sharded(shape_config(shape, layers), launch_size(), device, dtype,
-                         expert_parallel=expert_parallel).eval()
+        return load_sharded(AutoModelForCausalLM, model_path, size, device, expert_parallel, dtype=dtype).eval()
+    return build_sharded(shape_config(shape, layers), size, device, dtype, expert_parallel=expert_parallel).eval()
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:

@@ -24,12 +24,15 @@ SIZES_26B_A4B = dict(vocab_size=262_144, hidden_size=2816, intermediate_size=211
 SHAPES = {"diffusion-gemma-26b-a4b": (SIZES_26B_A4B, 256),
           "diffusion-gemma-tiny": (dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
-                                        num_global_key_value_heads=1, sliding_window=6, num_experts=4, top_k_experts=2,
+                                        num_global_key_value_heads=2, sliding_window=6, num_experts=4, top_k_experts=2,
                                         moe_intermediate_size=16, max_position_embeddings=256), 8)}
 NEVER_CONFIDENT = 1e-30  # adaptive stopping on both sides, never firing: every canvas takes every step
 
 
-def build(shape: str, layers: int | None, device: str, dtype: torch.dtype):
+def build(shape: str, layers: int | None, device: str, dtype: torch.dtype, tp_size: int = 0,
+          expert_parallel: bool = False):
+    """Random weights of `shape` on `device`, or with `tp_size` sharded over groups of that many processes
+    (`build_sharded`: no process holds the whole model)."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     sizes, canvas = dict(SHAPES[shape][0]), SHAPES[shape][1]
@@ -39,6 +42,11 @@ def build(shape: str, layers: int | None, device: str, dtype: torch.dtype):
                                 for i in range(layers)]
     config = DiffusionGemmaConfig(text_config=sizes, vision_config={"model_type": "gemma4_vision"},
                                   canvas_length=canvas)
+    if tp_size:
+        from ..integrations.distributed import build_sharded
+
+        return build_sharded(config, tp_size, device, dtype, expert_parallel=expert_parallel,
+                             model_class=DiffusionGemmaForBlockDiffusion).eval()
     # transformers builds the encoder's layers and the decoder's, then ties them: built on the GPU, the 30 layers
     # would first take twice their memory (96 GB in bfloat16). The parameters are declared without memory instead,
     # each tied group is allocated once (`materialize`); buffers are built as usual.
@@ -67,11 +75,13 @@ def materialize(model, device: str, std: float) -> None:
             module._parameters[name] = made[id(empty)][1]
 
 
-def bench(args) -> dict:
+def bench(args, tp_size: int = 0) -> dict:
+    """The report of one process (`tp_size`: of a model sharded over that many; the caller reports for the launch)."""
     from ..config import BlockDiffusionConfig
 
     device, dtype = args.device, getattr(torch, args.dtype)
-    model = build(args.shape, args.layers, device, dtype)
+    model = build(args.shape, args.layers, device, dtype, tp_size, args.expert_parallel)
+    device = str(model.device)
     steps, new = args.denoising_steps, args.new_tokens
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
@@ -96,4 +106,4 @@ def bench(args) -> dict:
     free_cache(model)
     if not args.skip_reference:
         results.append(measure("transformers generate", reference, device, tokens, args.batch_size))
-    return make_report(args, torch.cuda.get_device_name() if device.startswith("cuda") else "cpu", first, results)
+    return make_report(args, "", first, results)

@@ -46,6 +46,17 @@ def measure(name: str, run, device: str, tokens: int, rows: int) -> Measurement:
     return Measurement(name, seconds, forwards, tokens, rows, round(peak, 2))
 
 
+def across_groups(mine: Measurement) -> Measurement:
+    """A call of every data-parallel group of tensor-parallel ranks at once (`bench --tensor-parallel-size` below the
+    launch's size) as one: all their tokens and rows, in the slowest group's time (one group: `mine`)."""
+    from ..integrations.distributed import gather_groups
+
+    every = gather_groups(mine)
+    slowest = max(every, key=lambda m: m.seconds)
+    return Measurement(mine.name, slowest.seconds, slowest.forwards, sum(m.tokens for m in every),
+                       sum(m.rows for m in every), max(m.peak_gib for m in every))
+
+
 def make_report(args, device_name: str, first: Measurement, results: list[Measurement]) -> dict:
     """The report of ours (`results[0]`, after the process's `first` call) against the reference (`results[1]`)."""
     report = {

@@ -44,8 +44,7 @@ def check_tensor_parallel(model) -> None:
 def check_head_counts(config, size: int) -> None:
     """A ValueError naming the fix unless `size` processes split the (text) config's attention heads evenly."""
     text = config.get_text_config()
-    heads = {name: getattr(text, name, None) for name in HEAD_COUNTS}
-    uneven = {name: n for name, n in heads.items() if isinstance(n, int) and n % size}
+    uneven = {name: n for name in HEAD_COUNTS for n in _values(text, name) if isinstance(n, int) and n % size}
     if uneven:
         counts = ", ".join(f"{name}={n}" for name, n in uneven.items())
         raise ValueError(
@@ -54,6 +53,17 @@ def check_head_counts(config, size: int) -> None:
             "(tensor_parallel_size / --tensor-parallel-size N, launched as torchrun --nproc_per_node N·M), or load "
             "without tp_plan and use data parallelism (accelerate launch)."
         )
+
+
+def _values(config, name: str) -> list:
+    """`name`'s value in `config`, or its value in each layer where transformers keeps it per layer (a heterogeneous
+    config, transformers >= 5.2x, refuses to read such an attribute globally)."""
+    try:
+        return [getattr(config, name, None)]
+    except Exception as error:
+        if type(error).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+            raise
+        return [getattr(layer, name, None) for layer in config.per_layer_config]
 
 
 def kv_head_shards(model) -> int:

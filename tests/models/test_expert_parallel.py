@@ -129,6 +129,12 @@ def test_tensor_parallel_sizes_are_checked_before_loading(checkpoints):
     gemma.text_config.num_global_key_value_heads = 1  # its full-attention layers' KV heads
     with pytest.raises(ValueError, match="num_global_key_value_heads=1 is not divisible by 2"):
         check_sharding(gemma, 2, expert_parallel=True)
+    # built without layer_types, transformers keeps its KV heads per layer and refuses to read them globally
+    from hf_blockdiff.tools.diffusion_gemma_bench import SHAPES
+
+    sizes = dict(SHAPES["diffusion-gemma-tiny"][0], num_key_value_heads=1, num_global_key_value_heads=1)
+    with pytest.raises(ValueError, match="num_key_value_heads=1 is not divisible by 2"):
+        check_sharding(type(gemma)(text_config=sizes, vision_config={"model_type": "gemma4_vision"}), 2, True)
 
 
 def test_expert_parallel_flags_are_refused_without_tensor_parallel(checkpoints, capsys):
@@ -138,7 +144,7 @@ def test_expert_parallel_flags_are_refused_without_tensor_parallel(checkpoints, 
     assert main(["generate", "--model", sdar, "--prompt", "x", "--device", "cpu", "--expert-parallel"]) == 2
     assert "tensor_parallel_size=1: pass tensor_parallel_size N > 1" in capsys.readouterr().err
     assert main(["bench", "--shape", "llada2-tiny", "--device", "cpu", "--expert-parallel"]) == 2
-    assert "--expert-parallel splits a MoE model's experts over the processes of --tensor-parallel" in \
+    assert "--expert-parallel and --tensor-parallel-size shard over the processes of --tensor-parallel" in \
         capsys.readouterr().err
     assert main(["bench", "--shape", "diffusion-gemma-tiny", "--device", "cpu", "--tensor-parallel"]) == 2
-    assert "the diffusion-gemma shapes bench one process: drop --tensor-parallel" in capsys.readouterr().err
+    assert "--tensor-parallel shards over the processes of a launch" in capsys.readouterr().err
