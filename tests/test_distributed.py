@@ -53,15 +53,20 @@ def expected(checkpoint):
 
 @pytest.mark.parametrize(("processes", "tp_size"), [(2, 1), (4, 2)], ids=["dp2", "tp2xdp2"])
 def test_data_parallel_cli_matches_one_process(checkpoint, expected, tmp_path, processes, tp_size):
-    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    run = torchrun("-m", "hf_blockdiff.cli", "generate", "--model", checkpoint, "--input", source, "--output", output,
-                   "--batch-size", 2, "--max-new-tokens", 8, "--threshold", 0.6, "--eos-token-id", "--device", "cpu",
-                   "--tensor-parallel-size", tp_size, processes=processes, timeout=240)
-    records = [json.loads(line) for line in output.read_text().splitlines()]
+    run, records = generate_cli(checkpoint, tmp_path, "cpu", processes, tp_size, CPU_ONLY)
     assert [r["prompt"] for r in records] == PROMPTS
     assert [r["completion"] for r in records] == expected
     assert "2/2" in run.stderr and "3/3" not in run.stderr  # the main process's bar: 3 of the 5 prompts, 2 batches
+
+
+def generate_cli(checkpoint, tmp_path, device: str, processes: int, tp_size: int, env):
+    """The CLI's `generate` of PROMPTS (CFG's settings) under torchrun: the run and its output records."""
+    source, output = tmp_path / "in.jsonl", tmp_path / f"out-{processes}-{tp_size}.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    run = torchrun("-m", "hf_blockdiff.cli", "generate", "--model", checkpoint, "--input", source, "--output", output,
+                   "--batch-size", 2, "--max-new-tokens", 8, "--threshold", 0.6, "--eos-token-id", "--device", device,
+                   "--tensor-parallel-size", tp_size, processes=processes, timeout=240, env=env)
+    return run, [json.loads(line) for line in output.read_text().splitlines()]
 
 
 def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device: str, env) -> None:
@@ -97,6 +102,18 @@ def test_tensor_parallel_on_gpus_matches_one_gpu(checkpoint, tmp_path, processes
     """NCCL, each process on its own GPU, fp32: the tokens of the model on one GPU (compiled layers too, with CUDA
     graphs, for tp2)."""
     check_tensor_parallel(checkpoint, one_process(checkpoint, "cuda"), tmp_path, processes, "cuda", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp_size", [4, 2], ids=["tp4", "tp2xdp2"])
+@needs_gpus(4)
+def test_cli_on_four_gpus_matches_one_gpu(tmp_path, tp_size):
+    """`generate` over four GPUs (NCCL, fp32), one group of four or two groups of two: one GPU's completions, in input
+    order (a checkpoint of 4 KV heads, so four processes split them)."""
+    four = save_checkpoint(tmp_path / "four-kv-heads", num_attention_heads=4, num_key_value_heads=4)
+    _, records = generate_cli(four, tmp_path, "cuda", 4, tp_size, None)
+    assert [r["prompt"] for r in records] == PROMPTS
+    assert [r["completion"] for r in records] == one_process(four, "cuda")
 
 
 def test_tensor_parallel_size_must_divide_the_launch(monkeypatch):
