@@ -199,6 +199,7 @@ def load_sharded(model_class, path: str | None, size: int, device: str | None = 
     the checkpoint. With a config (`config=` or the checkpoint directory's), the sizes are checked, and the model's
     plans spelled out and its layout checked on one copy on the meta device, before anything loads
     (`weights.sharding`, `check_layout`). Call it on every process of the launch."""
+    check_devices(shard_device(device))  # a process without a GPU of its own fails first: say so before all else
     config = kwargs.get("config")
     if config is None and (expert_parallel or (path is not None and os.path.isdir(path))):
         from transformers import AutoConfig

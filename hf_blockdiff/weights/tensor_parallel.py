@@ -93,8 +93,10 @@ def finish_row_parallel(linear: torch.nn.Linear, partial: torch.Tensor) -> torch
 
 
 def row_parallel(module: torch.nn.Module) -> bool:
-    """Whether the module runs `row_parallel_forward` (inside `sharded_decoding`)."""
-    return getattr(vars(module).get("forward"), "__func__", None) is row_parallel_forward
+    """Whether the module runs `row_parallel_forward` (inside `sharded_decoding`, which sets both): read from its
+    group attribute, a plain string torch.compile reads as a constant (it must: a fused forward traced into a
+    compiled layer branches on it, and a wrong branch skips the sum)."""
+    return isinstance(getattr(module, SUMS, None), str)
 
 
 # id(DTensor parameter) -> (a weak reference to it, its local shard); an entry leaves with its parameter (tensors
