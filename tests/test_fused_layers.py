@@ -172,9 +172,9 @@ def test_cuda_graph_steps_keep_the_tokens_gpu(compile_, monkeypatch):
 
 
 def test_compile_is_off_by_default_where_every_layer_runs_fused():
-    """compile=None: no torch.compile where every decoder layer runs fused at few tokens beside fused norms (it would
-    only cost its first-call time, docs/benchmarks.md, "Cold start"); compiled with many tokens, layers left unfused, or a
-    backend that fuses no norms."""
+    """compile=None: no torch.compile where every decoder layer runs fused at few tokens beside fused norms on one GPU
+    (it would only cost its first-call time, docs/benchmarks.md, "Cold start"); compiled with many tokens, layers left
+    unfused, a backend that fuses no norms, or tensor parallel."""
     cuda, config = torch.device("cuda"), BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8)
     triton_backend, flash = resolve_backend("triton", cuda, 4, 64), SimpleNamespace(fuses_norms=False)
     qwen3 = tiny_model("qwen3")
@@ -185,5 +185,8 @@ def test_compile_is_off_by_default_where_every_layer_runs_fused():
     assert fusion_for(config, flash, True, cuda, qwen3, 1) == "compile"
     assert fusion_for(config.replace(compile=True), triton_backend, True, cuda, qwen3, 1) == "compile"
     assert fusion_for(config.replace(cfg_scale=1.0), triton_backend, True, cuda, qwen3, 8) == "compile"  # guided: x2
+    with pytest.MonkeyPatch.context() as patch:  # tensor parallel: compiled at few tokens too
+        patch.setattr("hf_blockdiff.fusion.mode.tensor_parallel_size", lambda model: 2)
+        assert fusion_for(config, triton_backend, True, cuda, qwen3, 1) == "compile"
     qwen3.model.layers[1].input_layernorm.register_forward_hook(lambda *args: None)  # a layer left to run itself
     assert not fully_fused(qwen3) and fusion_for(config, triton_backend, True, cuda, qwen3, 1) == "compile"

@@ -24,6 +24,7 @@ from ..config import BlockDiffusionConfig
 from ..kernels.rmsnorm import rms_norm
 from ..kernels.skinny_gemm import MAX_ROWS
 from ..weights.quantization import compiles_well
+from ..weights.tensor_parallel import tensor_parallel_size
 from .experts import fused_experts
 from .layers import fused_forwards
 
@@ -48,13 +49,15 @@ def fusion_for(cfg: BlockDiffusionConfig, backend: AttentionBackend, graphs: boo
                model, rows: int) -> str:
     """"compile" (config `compile`), else "norms" beside a backend that fuses them, else "none". `compile=None`
     compiles with CUDA graphs, unless the weights compile badly (bitsandbytes, torchao int8) or every decoder layer
-    runs fused at few tokens beside fused norms, where compiling the layers buys nothing and its first call costs
-    (docs/benchmarks.md, "Cold start"; `compile=True` there also compiles the step's bookkeeping, which buys 8–9 %).
-    Tensor-parallel layers compile too: their collectives trace into the compiled layers (docs/kernels.md, "Kernels
-    and backends")."""
+    runs fused at few tokens beside fused norms on one GPU, where compiling the layers buys nothing and its first call
+    costs (docs/benchmarks.md, "Cold start"; `compile=True` there also compiles the step's bookkeeping, which buys
+    8–9 %). Tensor-parallel layers compile, at few tokens too (12–15 % faster at batch 1 over two and four GPUs:
+    docs/benchmarks.md, "Tensor parallel"): their sums trace into the compiled layers (docs/kernels.md, "Kernels and
+    backends")."""
     compile_ = cfg.runtime.compile
     if compile_ is None:
-        fused = backend.fuses_norms and fully_fused(model) and few_tokens(cfg, rows)
+        fused = (backend.fuses_norms and fully_fused(model) and few_tokens(cfg, rows)
+                 and tensor_parallel_size(model) == 1)
         compile_ = graphs and device.type == "cuda" and not fused and compiles_well(model)
     return "compile" if compile_ else "norms" if backend.fuses_norms else "none"
 
