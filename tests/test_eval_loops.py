@@ -64,3 +64,18 @@ def test_compiled_bookkeeping_compiles_nothing_after_the_first_call(qwen3, monke
     free_cache(qwen3)
     assert frames[0] > 0 and frames[1:] == [0] * 7, frames
     assert hits == []
+
+
+def test_compiled_layers_give_every_size_its_own_symbol(qwen3):
+    """Inside `decoding_mode` with compiled layers, sizes that happen to be equal are not tied into one symbol (duck
+    sizing): DiffusionGemma's compiled layers, first called with as many slots as heads, recompiled for a batch of
+    another bucket. Here two inputs of 4 rows each, then 8 and 4: one graph."""
+    from hf_blockdiff.fusion.mode import decoding_mode
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, y: x.sum(0) + y.sum(0), dynamic=True, backend="eager", fullgraph=True)
+    before = counters["stats"]["unique_graphs"]
+    with decoding_mode(qwen3, "compile"):
+        for rows in (4, 8):
+            compiled(torch.ones(rows, 3), torch.ones(4, 3))
+    assert counters["stats"]["unique_graphs"] - before == 1
