@@ -75,7 +75,7 @@ def prompt_ceiling(model) -> int:
 @contextmanager
 def watching():
     """Yields a function that returns, since the last time it was called: (frames compiled, recompile reasons (their
-    first two lines), CUDA graphs captured)."""
+    first three lines), CUDA graph captures, those thrown away after compiling ahead included)."""
     reasons, captures = [], [0]
 
     class Reasons(logging.Handler):
