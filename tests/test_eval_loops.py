@@ -64,3 +64,62 @@ def test_compiled_bookkeeping_compiles_nothing_after_the_first_call(qwen3, monke
     free_cache(qwen3)
     assert frames[0] > 0 and frames[1:] == [0] * 7, frames
     assert hits == []
+
+
+def test_compiled_layers_give_every_size_its_own_symbol(qwen3):
+    """Inside `decoding_mode` with compiled layers, sizes that happen to be equal are not tied into one symbol (duck
+    sizing): DiffusionGemma's compiled layers, first called with as many slots as heads, recompiled for a batch of
+    another bucket. Here two inputs of 4 rows each, then 8 and 4: one graph."""
+    from hf_blockdiff.fusion.mode import decoding_mode
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, y: x.sum(0) + y.sum(0), dynamic=True, backend="eager", fullgraph=True)
+    before = counters["stats"]["unique_graphs"]
+    with decoding_mode(qwen3, "compile"):
+        for rows in (4, 8):
+            compiled(torch.ones(rows, 3), torch.ones(4, 3))
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def _eval_loop_bench():
+    """benchmarks/eval_loop.py as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "eval_loop.py"
+    spec = importlib.util.spec_from_file_location("eval_loop", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_eval_loop_bench_runs_a_dense_an_moe_and_a_diffusion_gemma_family_on_cpu(monkeypatch, capsys):
+    """The bench's CPU path, tiny shapes, two calls of other batch sizes, widths and new tokens per family: a row per
+    call and the rule's verdict per family (nothing compiles on the CPU)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the kernels' torch twins: the bench is under test here
+    rows = _eval_loop_bench().main(["--device", "cpu", "--calls", "2", "--batch-sizes", "3,2", "--new-tokens", "4,8",
+                                    "--min-prompt", "4", "--max-prompt", "12", "--denoising-steps", "2"])
+    families = ["tiny", "llada2-tiny", "diffusion-gemma-tiny"]
+    assert [(row["family"], row["call"], row["batch"], row["new_tokens"]) for row in rows] == [
+        (family, call, batch, new) for family in families for call, batch, new in ((1, 3, 4), (2, 2, 8))]
+    assert all(row["frames"] == row["graphs"] == 0 and row["recompiles"] == [] for row in rows)
+    out = capsys.readouterr().out
+    assert out.count("no frame after call 1): ok") == 3 and "| 2 | 2 |" in out
+
+
+def test_eval_loop_bench_reports_recompiles_and_breaks_of_the_rule():
+    """What the bench watches: a recompile's frame and reason; the rule fails on a frame after the first call and on
+    a call over twice the steady state."""
+    bench = _eval_loop_bench()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x * 2, dynamic=False, backend="eager")
+    with bench.watching() as since:
+        compiled(torch.ones(3))
+        assert since()[:2] == (1, [])
+        compiled(torch.ones(5))
+        frames, reasons, graphs = since()
+    assert frames == 1 and len(reasons) == 1 and "size mismatch" in reasons[0] and graphs == 0
+    row = dict(family="f", frames=0, seconds=1.0)
+    assert bench.verdict([row, row, row])["rule"] == "ok"
+    assert bench.verdict([row, row | dict(frames=1), row])["rule"] == "FAIL"
+    assert bench.verdict([row, row | dict(seconds=2.5), row, row])["rule"] == "FAIL"

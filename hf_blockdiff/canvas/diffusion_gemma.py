@@ -9,8 +9,6 @@ settings from the config, then the checkpoint's generation config, then transfor
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..attention import resolve_backend
@@ -18,8 +16,8 @@ from ..config import BlockDiffusionConfig
 from ..config.checks import CANVAS_FIELDS, check_canvas_config
 from ..config.presets import DIFFUSION_GEMMA_DEFAULTS
 from .schedule import CanvasRules
-from .loop import CanvasEngine, CanvasRun, CanvasStream
-from ..generation.engine import request_seeds, use_graphs
+from .loop import CanvasCall, CanvasEngine, CanvasRun, CanvasStream, canvas_width
+from ..generation.engine import kept_engine, request_seeds, shape_bucket, use_graphs
 from ..fusion.mode import decoding_mode, fusion_for
 from ..generation.generate import block_output
 from ..generation.inputs import check_call, prompts_of
@@ -117,21 +115,31 @@ def generate_multi_block(self, input_ids: torch.LongTensor, config: BlockDiffusi
     stops = cfg.eos_token_id if cfg.eos_token_id is not None else getattr(generation, "eos_token_id", None)
     stops = () if stops is None else (stops,) if isinstance(stops, int) else tuple(stops)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(generation, "pad_token_id", None)
-    run = CanvasRun(cfg.max_new_tokens, stops, pad, cfg.noise, graphs,
-                    fusion_for(cfg, backend, graphs, device, self, len(prompts)), cfg.runtime.page_size)
+    slots = shape_bucket(len(prompts))
+    run = CanvasRun(cfg.noise, graphs, fusion_for(cfg, backend, graphs, device, self, slots), cfg.runtime.page_size)
     seeds = request_seeds(len(prompts), generator).to(device) if cfg.noise == "counter" else None
+    call = CanvasCall(cfg.max_new_tokens, stops, pad, seeds, generator)
     stream = CanvasStream(streamer, input_ids, stops) if streamer is not None else None
     was_training = self.training
     self.eval()
     try:
-        engine = CanvasEngine(DiffusionGemmaRunner(self), rules, run, prompts, backend, seeds, generator, device)
-        results = engine.generate(prompts, stream)
+        results = _engine(self, rules, run, backend, slots, canvas_width(prompts, cfg.max_new_tokens, rules.length),
+                          device).generate(prompts, call, stream)
     finally:
         self.train(was_training)
     if stream is not None:
         stream.end()
     sequences = torch.cat([input_ids, results.tokens], dim=1)
     return block_output(sequences, results) if return_dict else sequences
+
+
+def _engine(model, rules: CanvasRules, run: CanvasRun, backend, slots: int, width: int,
+            device: torch.device) -> CanvasEngine:
+    """The model's canvas engine if it fits the call, else one of `slots` rows and the width's `shape_bucket`, kept
+    on the model for later calls (docs/architecture.md, "The cache")."""
+    runner = DiffusionGemmaRunner(model)
+    return kept_engine(model, lambda kept: kept.fits(rules, run, backend, slots, width, device, runner.dtype),
+                       lambda: CanvasEngine(runner, rules, run, backend, slots, shape_bucket(width), device))
 
 
 def _checked_config(model, config, input_ids, pixel_values) -> BlockDiffusionConfig:
@@ -162,7 +170,7 @@ def _check_lengths(model, prompts: list[torch.Tensor], cfg: BlockDiffusionConfig
     if any(len(p) == 0 for p in prompts):
         raise ValueError("Every row needs at least one prompt token (a row of attention_mask is all zeros).")
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    longest = max(len(p) for p in prompts) + math.ceil(cfg.max_new_tokens / length) * length
+    longest = canvas_width(prompts, cfg.max_new_tokens, length)
     if limit is not None and longest > limit:
         raise ValueError(f"The longest prompt plus max_new_tokens={cfg.max_new_tokens} in whole canvases of "
                          f"{length} ({longest} positions) exceeds max_position_embeddings={limit}: lower "

@@ -48,32 +48,46 @@ class CanvasModel(Protocol):
 
 @dataclass(frozen=True)
 class CanvasRun:
-    """One call's settings beside the canvas rules."""
+    """How an engine runs, fixed for its life: a call with other settings gets another engine."""
 
-    max_new_tokens: int
-    stop_ids: tuple[int, ...]
-    pad_token_id: int | None
     noise: str  # "counter" | "torch"
     graphs: bool
     fusion: str
     page_size: int
 
 
+@dataclass(frozen=True)
+class CanvasCall:
+    """What one call asks beside its prompts."""
+
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+    pad_token_id: int | None
+    seeds: torch.Tensor | None  # one per prompt (counter noise)
+    generator: torch.Generator | None  # drawn by the torch noise
+
+
+def canvas_width(prompts: list[torch.Tensor], max_new_tokens: int, length: int) -> int:
+    """The cache row the longest prompt needs: its tokens and whole canvases covering `max_new_tokens`."""
+    return max(len(p) for p in prompts) + math.ceil(max_new_tokens / length) * length
+
+
 class CanvasEngine:
-    def __init__(self, runner: CanvasModel, rules: CanvasRules, run: CanvasRun, prompts: list[torch.Tensor],
-                 backend: AttentionBackend, seeds: torch.Tensor | None, generator, device: torch.device):
-        self.runner, self.rules, self.run, self.backend = runner, rules, run, backend
-        slots, length = len(prompts), rules.length
-        self.canvases = math.ceil(run.max_new_tokens / length)
-        self.prompt_len = torch.tensor([len(p) for p in prompts], device=device)
-        width = int(self.prompt_len.max()) + self.canvases * length
+    """The buffers, cache and captured step of `slots` rows of up to `width` cache tokens, kept on the model between
+    calls that fit them (docs/architecture.md, "The cache"). A call's prompts take the first rows; the rows after
+    them never denoise, and rows are independent, so the tokens do not depend on the engine's size."""
+
+    def __init__(self, runner: CanvasModel, rules: CanvasRules, run: CanvasRun, backend: AttentionBackend,
+                 slots: int, width: int, device: torch.device):
+        self.runner, self.rules, self.run, self.backend, self.width = runner, rules, run, backend, width
+        self.key = (rules, run, backend.name, device, runner.dtype)
+        length = rules.length
         self.cache = PagedBlockCache(runner.num_layers, run.page_size)
         self.cache.start(slots, width, slots * self.cache.pages_for(width) * run.page_size, device)
-        for row, prompt_len in enumerate(self.prompt_len.tolist()):
-            self.cache.assign(row, self.cache.pages.take(self.cache.pages_for(prompt_len + self.canvases * length)))
         self.state = CanvasState(rules, slots, device)
-        self.noise = (CounterNoise(rules, seeds) if run.noise == "counter"
-                      else TorchOrderNoise(rules, slots, generator, device))
+        self.seeds = torch.zeros(slots, dtype=torch.long, device=device)  # the call's, rows after its prompts 0
+        self.counter_noise = CounterNoise(rules, self.seeds)  # one object: a captured step reads its buffers
+        self.noise: CounterNoise | TorchOrderNoise = self.counter_noise
         self.conditioning = torch.zeros(slots, length, runner.hidden_size, dtype=runner.dtype, device=device)
         self.logprob = torch.zeros(slots, length, device=device)
         self.entropy = torch.zeros(slots, length, device=device)
@@ -81,6 +95,29 @@ class CanvasEngine:
         self.offsets = torch.arange(length, device=device)
         self.rows = torch.arange(slots, device=device)
         self.graph, self.forwards = None, 0
+
+    def fits(self, rules: CanvasRules, run: CanvasRun, backend: AttentionBackend, slots: int, width: int,
+             device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether this engine decodes a call of these settings on `slots` rows of `width` tokens."""
+        return (rules, run, backend.name, device, dtype) == self.key and slots == len(self.rows) \
+            and width <= self.width
+
+    def start_call(self, prompts: list[torch.Tensor], call: CanvasCall) -> int:
+        """Pages for the prompts' rows, their seeds or generator, counters from zero; returns the call's canvases."""
+        length, count = self.rules.length, len(prompts)
+        canvases = math.ceil(call.max_new_tokens / length)
+        self.cache.reset_pages()
+        self.cache.reset()
+        for row, prompt in enumerate(prompts):
+            self.cache.assign(row, self.cache.pages.take(self.cache.pages_for(len(prompt) + canvases * length)))
+        if self.run.noise == "counter":
+            self.seeds.zero_()[:count] = call.seeds
+            self.noise = self.counter_noise
+        else:
+            self.noise = TorchOrderNoise(self.rules, count, len(self.rows), call.generator, self.rows.device)
+        self.state.start_call()
+        self.forwards = 0
+        return canvases
 
     def plan(self, positions: torch.Tensor, valid: torch.Tensor, limits: torch.Tensor, starts: torch.Tensor):
         """The attention plan of a forward over every slot: keys [starts, limits) in sliding-window layers, [0,
@@ -125,7 +162,8 @@ class CanvasEngine:
         self.conditioning.copy_(torch.where(keep[..., None], conditioning, self.conditioning))
 
     def step(self) -> None:
-        """A denoise step: replayed from its CUDA graph when graphs are on (captured after the first step)."""
+        """A denoise step: replayed from its CUDA graph when graphs are on (captured after the engine's first step;
+        kept for later calls)."""
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -134,38 +172,34 @@ class CanvasEngine:
                 compile_ahead(self.denoise_step, self.state.canvas.device, self.cache, self.run.fusion)
             self.denoise_step()
             if graphed:
-                self.graph = torch.cuda.CUDAGraph()
-                with capturing(self.graph):
+                graph = torch.cuda.CUDAGraph()
+                with capturing(graph):
                     self.denoise_step()
+                self.graph = graph  # only once captured whole: a failed capture is not replayed by a later call
         self.forwards += 1
 
-    def generate(self, prompts: list[torch.Tensor], stream=None) -> Results:
+    def generate(self, prompts: list[torch.Tensor], call: CanvasCall, stream=None) -> Results:
         """Canvas after canvas until every prompt holds a stop id or `max_new_tokens` are covered."""
-        rules, state, run = self.rules, self.state, self.run
-        device = state.canvas.device
-        padded = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)
-        valid = torch.arange(padded.shape[1], device=device) < self.prompt_len[:, None]
-        tokens = padded
-        stopped = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-        stop_ids = torch.tensor(run.stop_ids, dtype=torch.long, device=device)
+        state, device = self.state, self.rows.device
+        canvases = self.start_call(prompts, call)
+        active = self.rows < len(prompts)  # rows holding a prompt of this call
+        tokens = torch.zeros(len(self.rows), max(len(p) for p in prompts), dtype=torch.long, device=device)
+        tokens[: len(prompts)] = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)
+        lengths = torch.zeros_like(self.rows)
+        lengths[: len(prompts)] = torch.tensor([len(p) for p in prompts], device=device)
+        valid = torch.arange(tokens.shape[1], device=device) < lengths[:, None]
+        stopped = ~active
+        stop_ids = torch.tensor(call.stop_ids, dtype=torch.long, device=device)
         generated, steps_at = [], []
-        with self.runner.decoding(run.fusion):
-            for canvas in range(self.canvases):
+        with self.runner.decoding(self.run.fusion):
+            for canvas in range(canvases):
                 self.encode(tokens, valid)
                 self.canvas_index.fill_(canvas)
                 state.start(self.noise.tokens(self.canvas_index, torch.zeros((), dtype=torch.long, device=device)),
-                            ~stopped)
+                            active, ~stopped)
                 self.conditioning.zero_()
-                while True:
-                    self.step()
-                    finished, bad = state.status()
-                    if bad is not None:
-                        raise nonfinite_error(bad, f"at denoising step {int(state.step)} of canvas {canvas}")
-                    if stream is not None:
-                        stream.draft(state.argmax[0])
-                    if finished:
-                        break
-                tokens, valid = state.argmax.clone(), torch.ones_like(state.argmax, dtype=torch.bool)
+                self.denoise(canvas, stream)
+                tokens, valid = state.argmax.clone(), active[:, None].expand_as(state.argmax)
                 generated.append((tokens, self.logprob.clone(), self.entropy.clone()))
                 steps_at.append(self.forwards)
                 stopped |= torch.isin(tokens, stop_ids).any(1)
@@ -173,31 +207,45 @@ class CanvasEngine:
                     stream.canvas(tokens[0])
                 if bool(stopped.all()):
                     break
-        return self.results(generated, steps_at, stop_ids)
+        return self.results(generated, steps_at, stop_ids, call, len(prompts))
 
-    def results(self, generated: list, steps_at: list[int], stop_ids: torch.Tensor) -> Results:
-        """Tokens up to each prompt's first stop id, `pad_token_id` after it (none without a pad id, as
-        transformers), cut to `max_new_tokens`; commit steps are the forward that ended the token's canvas."""
-        run, length = self.run, self.rules.length
-        tokens, logprobs, entropies = (torch.cat([g[i] for g in generated], 1)[:, : run.max_new_tokens]
-                                       for i in range(3))
+    def denoise(self, canvas: int, stream) -> None:
+        """Steps until the canvas is finished; logits that came out inf or nan stop the call."""
+        state = self.state
+        while True:
+            self.step()
+            finished, bad = state.status()
+            if bad is not None:
+                raise nonfinite_error(bad, f"at denoising step {int(state.step)} of canvas {canvas}")
+            if stream is not None:
+                stream.draft(state.argmax[0])
+            if finished:
+                return
+
+    def results(self, generated: list, steps_at: list[int], stop_ids: torch.Tensor, call: CanvasCall,
+                count: int) -> Results:
+        """The first `count` rows' tokens up to each prompt's first stop id, `pad_token_id` after it (none without a
+        pad id, as transformers), cut to `max_new_tokens`; commit steps are the forward that ended the token's
+        canvas."""
+        length, new = self.rules.length, call.max_new_tokens
+        tokens, logprobs, entropies = (torch.cat([g[i][:count] for g in generated], 1)[:, :new] for i in range(3))
         commit = torch.tensor([s for s in steps_at for _ in range(length)], device=tokens.device)
         commit = commit[: tokens.shape[1]].expand_as(tokens).clone()
         dropped = torch.zeros_like(tokens, dtype=torch.bool)
-        if run.pad_token_id is not None:
+        if call.pad_token_id is not None:
             is_stop = torch.isin(tokens, stop_ids)
             dropped = (is_stop.cumsum(1) - is_stop.long()) > 0
-            tokens = tokens.masked_fill(dropped, run.pad_token_id)
-        new = run.max_new_tokens
+            tokens = tokens.masked_fill(dropped, call.pad_token_id)
         if tokens.shape[1] < new:  # every prompt stopped before the last canvas
             fill = new - tokens.shape[1]
-            tokens = torch.nn.functional.pad(tokens, (0, fill), value=run.pad_token_id or 0)
+            tokens = torch.nn.functional.pad(tokens, (0, fill), value=call.pad_token_id or 0)
             dropped = torch.nn.functional.pad(dropped, (0, fill), value=True)
             logprobs, entropies, commit = (torch.nn.functional.pad(t, (0, fill)) for t in (logprobs, entropies, commit))
+        steps = self.state.steps[:count].clone()
         return Results(tokens=tokens, commit_step=commit.masked_fill(dropped, -1),
                        logprobs=logprobs.masked_fill(dropped, 0.0), entropies=entropies.masked_fill(dropped, 0.0),
-                       num_forwards=self.forwards, steps=self.state.steps.clone(), committed=(~dropped).sum(1),
-                       edits=torch.zeros_like(self.state.steps))
+                       num_forwards=self.forwards, steps=steps, committed=(~dropped).sum(1),
+                       edits=torch.zeros_like(steps))
 
 
 class CanvasStream:

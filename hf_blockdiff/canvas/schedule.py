@@ -49,12 +49,18 @@ class CanvasState:
         self.counting = torch.zeros(slots, dtype=torch.bool, device=device)  # slots not stopped by a stop id
         self.nonfinite = torch.zeros(slots, dtype=torch.bool, device=device)  # a step's logits held inf or nan
 
-    def start(self, tokens: torch.Tensor, counting: torch.Tensor) -> None:
-        """A new canvas in every slot, holding `tokens` [S, L] (uniform noise); `counting`: slots whose steps count."""
+    def start_call(self) -> None:
+        """A new call: no step counted, no logits seen inf or nan."""
+        self.steps.zero_()
+        self.nonfinite.zero_()
+
+    def start(self, tokens: torch.Tensor, denoising: torch.Tensor, counting: torch.Tensor) -> None:
+        """A new canvas in every slot, holding `tokens` [S, L] (uniform noise); `denoising`: slots that denoise it
+        (those holding a prompt), `counting`: slots whose steps count."""
         self.canvas.copy_(tokens)
         self.argmax.copy_(tokens)
         self.history.fill_(-1)
-        self.denoising.fill_(True)
+        self.denoising.copy_(denoising)
         self.step.zero_()
         self.counting.copy_(counting)
 
@@ -136,18 +142,22 @@ class CounterNoise:
 class TorchOrderNoise:
     """Compatibility noise (`noise="torch"`): torch's generator drawn in the order transformers' `generate` draws
     it (per canvas `randint` [S, L]; per step `multinomial` over every slot's softmax, then `randint` [S, L]), so
-    a seeded run gives its tokens. The draws depend on the whole batch and sync with the host: tests only."""
+    a seeded run gives its tokens. The draws depend on the whole batch and sync with the host: tests only. Only the
+    first `prompts` of the `slots` rows draw (the batch transformers sees); the rest take token 0."""
 
-    def __init__(self, rules: CanvasRules, slots: int, generator: torch.Generator | None, device: torch.device):
-        self.rules, self.slots, self.generator, self.device = rules, slots, generator, device
+    def __init__(self, rules: CanvasRules, prompts: int, slots: int, generator: torch.Generator | None,
+                 device: torch.device):
+        self.rules, self.prompts, self.slots, self.generator, self.device = rules, prompts, slots, generator, device
 
     def tokens(self, canvas: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        shape = (self.slots, self.rules.length)
-        return torch.randint(0, self.rules.vocab_size, shape, generator=self.generator, device=self.device)
+        shape = (self.prompts, self.rules.length)
+        drawn = torch.randint(0, self.rules.vocab_size, shape, generator=self.generator, device=self.device)
+        return torch.cat([drawn, drawn.new_zeros(self.slots - self.prompts, self.rules.length)])
 
     def sample(self, processed: torch.Tensor, canvas: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
-        return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(-1)
+        probs = torch.softmax(processed[: self.prompts * self.rules.length], dim=-1, dtype=torch.float32)
+        drawn = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(-1)
+        return torch.cat([drawn, drawn.new_zeros(len(processed) - len(drawn))])
 
     def score(self, logits: torch.Tensor, softcap: float | None, temperature: torch.Tensor, probs_dtype: torch.dtype,
               canvas: torch.Tensor, step: torch.Tensor):

@@ -111,7 +111,10 @@ def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = F
     for layer in layers:
         layer.forward = compiled_forward(type(layer), dynamic).__get__(layer)
     try:
-        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        # sizes each their own symbol (no duck sizing): slots equal to the heads by chance would tie them, and a call
+        # of another batch would recompile the layers
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), \
+                torch.fx.experimental._config.patch(use_duck_shape=False):
             yield
     finally:
         config._attn_implementation = previous

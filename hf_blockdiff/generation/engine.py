@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -303,12 +304,21 @@ def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor],
     slots, pool_tokens = _cache_plan(model, cfg, prompts, width, wanted, samples, engine, device)
     if cfg.runtime.max_cache_tokens is None and engine is not None and slots < engine.state.num_rows <= wanted:
         slots = engine.state.num_rows  # already allocated: a budget measured now misses what its buffers hold
-    if engine is None or not engine.fits(cfg, slots, width, max_blocks, backend):
-        model._blockdiff_engine = None  # let the old buffers go before allocating new ones
-        engine = Engine(model, cfg, slots, shape_bucket(width), max_blocks, backend, device, pool_tokens,
-                        previous=engine)
-        model._blockdiff_engine = engine
-    return engine
+    return kept_engine(model, lambda kept: kept.fits(cfg, slots, width, max_blocks, backend),
+                       lambda: Engine(model, cfg, slots, shape_bucket(width), max_blocks, backend, device, pool_tokens,
+                                      previous=engine))
+
+
+def kept_engine(model, fits: Callable[[Any], bool], build: Callable[[], Any]):
+    """The engine kept on `model` (the block engine, or DiffusionGemma's canvas engine) if `fits` says it serves
+    this call, else the one `build` makes, kept in its place until `free_cache` (docs/architecture.md, "The
+    cache")."""
+    engine = getattr(model, "_blockdiff_engine", None)
+    if engine is not None and fits(engine):
+        return engine
+    model._blockdiff_engine = engine = None  # the old buffers go (unless `build` holds them) before new ones come
+    model._blockdiff_engine = build()
+    return model._blockdiff_engine
 
 
 def _cache_plan(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], width: int, slots: int, samples: int,

@@ -98,8 +98,10 @@ def few_pairs(tokens: int, top_k: int, experts: int) -> bool:
 
 
 def computes(tokens: int, top_k: int, experts: int) -> bool:
-    """Whether `moe_experts` takes these shapes: few pairs always, many where torch has a grouped GEMM."""
-    return few_pairs(tokens, top_k, experts) or GROUPED_MM is not None
+    """Whether `moe_experts` takes these shapes: few pairs always, many where torch has a grouped GEMM. The count is
+    read only without one: traced by torch.compile, it would guard on the token count (a recompile when a call crosses
+    the threshold)."""
+    return GROUPED_MM is not None or few_pairs(tokens, top_k, experts)
 
 
 def grouped_mm_captures(weight: torch.Tensor) -> bool:

@@ -109,6 +109,24 @@ def test_many_pairs_without_a_grouped_gemm_are_refused(device, monkeypatch):
         moe_experts(x, index, weights, gate_up, down, "silu")
 
 
+def test_compiled_calls_of_few_and_many_pairs_share_one_graph(device):
+    """Traced by torch.compile with dynamic sizes (as the compiled layers of an MoE run it), the op's checks read the
+    token count only where torch has no grouped GEMM: calls on either side of the few-pairs threshold trace one graph
+    (a guard on it recompiled DiffusionGemma's layers when a call's prompts crossed it)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    compiled = torch.compile(moe_experts, dynamic=True, backend="eager", fullgraph=True)
+    graphs = []
+    for tokens in (3, 5, 150):  # 6, 10 and 300 pairs over 4 experts: the threshold is 128
+        before = counters["stats"]["unique_graphs"]
+        x, index, weights, gate_up, down = routed(tokens, 4, 2, 32, 16, torch.float32, device)
+        torch.testing.assert_close(compiled(x, index, weights, gate_up, down, "silu"),
+                                   moe_experts(x, index, weights, gate_up, down, "silu"))
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert graphs == [1, 0, 0], graphs
+
+
 def test_many_pairs_are_captured_only_where_the_grouped_gemm_reads_nothing_back(monkeypatch):
     """bfloat16 on compute capability 9.0 and 10.0 (torch's CUTLASS grouped GEMM); other dtypes and GPUs loop over the
     groups with their sizes read on the host, which a CUDA graph cannot capture; off CUDA nothing is captured."""

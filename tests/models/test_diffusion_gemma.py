@@ -12,7 +12,7 @@ import torch
 from diffusion_gemma_models import CANVAS, VOCAB, WINDOW, ours, prompts, reference, settings, tiny_diffusion_gemma
 
 import hf_blockdiff.canvas.schedule as canvas_module
-from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff import BlockDiffusionConfig, free_cache
 from hf_blockdiff.generation.engine import request_seeds
 from hf_blockdiff.canvas.schedule import CanvasRules
 
@@ -121,3 +121,38 @@ def test_counter_noise_fed_to_transformers_step(model, monkeypatch):
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, **theirs)
     assert calls["canvas"] == 2
     assert torch.equal(out, expected.sequences)
+
+
+# three calls of one bucket: 5, 6 and 5 prompts (6 rows), canvases of 33, 31 and 29 tokens (48 wide)
+REUSED_CALLS = [([17, 5, 9, 12, 3], 1), ([6, 11, 4, 8, 15, 2], 2), ([13, 7, 10, 5, 9], 3)]
+
+
+def test_calls_of_other_batch_sizes_and_lengths_reuse_one_engine():
+    """One engine serves calls of other batch sizes and prompt lengths in its bucket, rows past a call's prompts
+    and what earlier calls left in the rows changing nothing: with the compatibility noise each call gives
+    transformers' tokens (rows past the prompts draw nothing), with the counter noise a fresh engine's;
+    `free_cache` drops it."""
+    model = tiny_diffusion_gemma("mixed_moe")
+    # every prompt's canvas stops before its 4th step in some canvases: a row past the prompts that kept
+    # denoising would keep the others stepping
+    theirs, fields = settings(4, bound=3.0, confidence=3.0, stability=0)
+    fresh = {}  # the later calls on a fresh engine (the first call's engine is fresh)
+    for lengths, seed in REUSED_CALLS[1:]:
+        free_cache(model)
+        fresh[seed] = ours(model, *prompts(lengths, seed), 2 * CANVAS, fields, seed=seed).sequences
+    for noise in ("torch", "counter"):
+        free_cache(model)
+        engines = []
+        for lengths, seed in REUSED_CALLS:
+            ids, mask = prompts(lengths, seed)
+            out = ours(model, ids, mask, 2 * CANVAS, fields, seed=seed, noise=noise)
+            engines.append(model._blockdiff_engine)
+            if noise == "counter":
+                assert seed not in fresh or torch.equal(out.sequences, fresh[seed])
+                continue
+            expected = reference(model, ids, mask, 2 * CANVAS, theirs, seed=seed)
+            assert torch.equal(out.sequences, expected.sequences)
+            assert torch.allclose(tpf(out.sequences, ids.shape[1], out.steps, None), expected.tokens_per_forward)
+        assert engines[0] is engines[1] is engines[2] and (len(engines[0].rows), engines[0].width) == (6, 48)
+    free_cache(model)
+    assert model._blockdiff_engine is None

@@ -129,28 +129,27 @@ def test_counter_noise_is_independent_of_the_batch(model):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["mixed_moe", "single_expert"])
-def test_cuda_graph_step_matches_eager_sdpa_gpu(name, monkeypatch):
+def test_cuda_graph_step_matches_eager_sdpa_gpu(name):
     """On CUDA: the captured step (triton attention with window starts, compiled layers, CUDA graph) gives the
-    tokens of the eager sdpa step with the same counter noise."""
-    from hf_blockdiff.canvas import loop as canvas
-
-    engines, init = [], canvas.CanvasEngine.__init__
-
-    def recording_init(self, *args):
-        engines.append(self)
-        init(self, *args)
-
-    monkeypatch.setattr(canvas.CanvasEngine, "__init__", recording_init)
+    tokens of the eager sdpa step with the same counter noise; a later call of other prompt lengths replays the
+    engine's graph."""
     model = tiny_diffusion_gemma(name).cuda()
     model.set_experts_implementation("batched_mm")  # float32 grouped GEMMs do not capture (`fusion.capture`)
     _, fields = settings(6, bound=3.0, confidence=2.5, stability=0)
-    ids, mask = (t.cuda() for t in prompts([5, 40, 17]))
-    runs = [model.generate_multi_block(ids, BlockDiffusionConfig(max_new_tokens=4 * CANVAS, **fields, **extra),
-                                       attention_mask=mask, generator=torch.Generator("cuda").manual_seed(1))
-            for extra in (dict(attention_backend="sdpa", cuda_graphs=False, compile=False),
-                          dict(attention_backend="triton", cuda_graphs=True, compile=True))]
-    assert torch.equal(runs[0], runs[1])
-    assert engines[0].graph is None and engines[1].graph is not None
+    calls = [tuple(t.cuda() for t in prompts(lengths)) for lengths in ([5, 40, 17], [30, 9, 22])]
+
+    def run(ids, mask, **extra):
+        cfg = BlockDiffusionConfig(max_new_tokens=4 * CANVAS, **fields, **extra)
+        generator = torch.Generator("cuda").manual_seed(1)
+        return model.generate_multi_block(ids, cfg, attention_mask=mask, generator=generator)
+
+    expected = [run(*call, attention_backend="sdpa", cuda_graphs=False, compile=False) for call in calls]
+    assert model._blockdiff_engine.graph is None
+    graphs = []
+    for call, tokens in zip(calls, expected):
+        assert torch.equal(run(*call, attention_backend="triton", cuda_graphs=True, compile=True), tokens)
+        graphs.append(model._blockdiff_engine.graph)
+    assert graphs[0] is not None and graphs[1] is graphs[0]  # captured once, replayed by the later call
 
 
 @pytest.mark.gpu
