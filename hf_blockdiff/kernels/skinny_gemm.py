@@ -79,10 +79,10 @@ def _shared_bytes(config: dict, block_m: int, gated: bool, element_size: int) ->
 
 
 @functools.lru_cache(maxsize=None)
-def _configs(n_out: int, width: int, gated: bool, block_m: int, element_size: int, limit: int | None) -> tuple:
+def _configs(widths: tuple, width: int, gated: bool, block_m: int, element_size: int, limit: int | None) -> tuple:
     """The launch's candidate configurations (`device_limits`): `_tiles`' choice, then shorter K steps, fewer
     stages, fewer columns, those that fit `limit`."""
-    block_n, block_k, stages = _tiles(n_out, width, gated, block_m)
+    block_n, block_k, stages = _tiles(sum(widths), width, gated, block_m)
     first = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_stages": stages}
     candidates = shrinking(first, (("BLOCK_K", 32), ("num_stages", 2), ("BLOCK_N", 16)))
     return fitting(candidates, lambda config: _shared_bytes(config, block_m, gated, element_size), limit)
@@ -204,14 +204,16 @@ if TRITON_AVAILABLE:
                 acc_up = dot_t(x, tl.load(w1 + w_offsets + k0, mask=w_mask, other=0.0), acc_up, IEEE)
         _store(acc, acc_up, b_ptr, r_ptr, y_ptr, cols, rm, rows, n, HAS_BIAS, GATED, HAS_RESIDUAL)
 
-    def _launch(x, weights, biases, outputs, gated, residual=None):
+    def _launch(x, weights, biases, outputs, gated, residual=None, configs=None):
+        """The kernel with the first of `configs` that loads (None: `device_configs`', the tile sweep
+        benchmarks/skinny_tiles.py names its own)."""
         if x.data_ptr() % 16:
             x = x.clone()
         rows, width = x.shape
         widths = [w.shape[0] for w in weights] + [0] * (3 - len(weights))
         has_bias = biases[0] is not None
         block_m = max(16, triton.next_power_of_2(rows))
-        configs = _configs(sum(widths), width, gated, block_m, x.element_size(), shared_memory_limit(x.device))
+        configs = configs or device_configs(x, widths, gated)
         overlap = dependent_launch(x.device)
         launch(_skinny_kernel, lambda config: (_programs(widths, gated, config["BLOCK_N"]),),
             x, *_three(weights), *_three(biases if has_bias else weights), *_three(outputs),
@@ -220,6 +222,12 @@ if TRITON_AVAILABLE:
             HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, num_warps=4, configs=configs,
             **launch_options(overlap),
         )
+
+    def device_configs(x: torch.Tensor, widths: list, gated: bool) -> tuple:
+        """The candidate configurations of a launch on x's rows and device for weights of `widths` output columns
+        (three, zeros for unused slots; gated: gate's and up's)."""
+        block_m = max(16, triton.next_power_of_2(x.shape[0]))
+        return _configs(tuple(widths), x.shape[1], gated, block_m, x.element_size(), shared_memory_limit(x.device))
 
     def _programs(widths: list, gated: bool, block_n: int) -> int:
         """Column tiles: of the gate's columns (up's are the same) when gated, else of every weight's."""
