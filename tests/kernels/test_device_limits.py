@@ -61,12 +61,12 @@ def _skinny_choices(model: str, element_size: int, limit: int) -> dict:
     """{(projection, BLOCK_M): (first configuration, its estimate)} of a decoder layer's skinny GEMMs (the down
     projection runs up to 16 rows)."""
     hidden, inner, heads, kv_heads = MODELS[model]
-    projections = (("qkv", (heads + 2 * kv_heads) * 128, hidden, False), ("gate_up", 2 * inner, hidden, True),
-                   ("down", hidden, inner, False))
+    projections = (("qkv", (heads * 128, kv_heads * 128, kv_heads * 128), hidden, False),
+                   ("gate_up", (inner, inner, 0), hidden, True), ("down", (hidden, 0, 0), inner, False))
     choices = {}
     for block_m in (16, 32, 64):
-        for name, n_out, width, gated in projections[:3 if block_m == 16 else 2]:
-            config = skinny_gemm._configs(n_out, width, gated, block_m, element_size, limit)[0]
+        for name, widths, width, gated in projections[:3 if block_m == 16 else 2]:
+            config = skinny_gemm._configs(widths, width, gated, block_m, element_size, limit)[0]
             choices[name, block_m] = config, skinny_gemm._shared_bytes(config, block_m, gated, element_size)
     return choices
 
@@ -204,11 +204,12 @@ def allocated(fn, types, constants, config):
 
 out = []
 skinny = {n: "*bf16" for n in skinny_gemm._skinny_kernel.arg_names[:11]}
-for n_out, width, gated, block_m in ((6144, 4096, False, 16), (6144, 4096, False, 32), (6144, 4096, False, 64),
-                                     (24576, 4096, True, 64), (4096, 12288, False, 16)):
-    config = skinny_gemm._configs(n_out, width, gated, block_m, 2, H100)[0]
+qkv, gate_up, down = (4096, 1024, 1024), (12288, 12288, 0), (4096, 0, 0)
+for widths, width, gated, block_m in ((qkv, 4096, False, 16), (qkv, 4096, False, 32), (qkv, 4096, False, 64),
+                                      (gate_up, 4096, True, 64), (down, 12288, False, 16)):
+    config = skinny_gemm._configs(widths, width, gated, block_m, 2, H100)[0]
     constants = dict(HAS_BIAS=False, GATED=gated, IEEE=False, GDC=True, HAS_RESIDUAL=not gated, BLOCK_M=block_m)
-    out.append((f"skinny {n_out}x{width} rows {block_m}", skinny_gemm._shared_bytes(config, block_m, gated, 2),
+    out.append((f"skinny {sum(widths)}x{width} rows {block_m}", skinny_gemm._shared_bytes(config, block_m, gated, 2),
                 allocated(skinny_gemm._skinny_kernel, skinny, constants, config)))
 config = moe_experts._configs(64, True, True, 2, H100)[0]
 experts = {"x_ptr": "*bf16", "order_ptr": "*i32", "offsets_ptr": "*i32", "w_ptr": "*bf16", "y_ptr": "*bf16"}
