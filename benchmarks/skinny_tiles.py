@@ -3,7 +3,7 @@
 column-parallel; o and down row-parallel, as linear_residual), at 1, 4, 16, 32 and 64 rows in bf16. For each shape:
 cuBLAS's time (the ops' references: `F.linear` per weight, SiLU and product, residual add), then the kernel's time,
 TB/s and program count in every candidate configuration that fits the device's shared memory, the one the ops choose
-marked `chosen` and the fastest `best`; a summary per shape closes the output.
+marked `chosen` and the fastest `best`, all in the JSON file; the output is a line per shape (cuBLAS, chosen, best).
 
     python benchmarks/skinny_tiles.py --json skinny_tiles.json
 
@@ -101,9 +101,9 @@ class Problem:
         return lambda: skinny_gemm.grouped_linear_reference(self.x, self.weights(), [None] * 3)
 
 
-def slots(shape: Shape) -> list:
+def slots(shape: Shape) -> tuple:
     """The kernel's three width slots (zeros for unused ones), as `_launch` fills them."""
-    return list(shape.widths) + [0] * (3 - len(shape.widths))
+    return shape.widths + (0,) * (3 - len(shape.widths))
 
 
 def candidates(problem: Problem) -> tuple:
@@ -154,26 +154,19 @@ def _name(config: dict) -> str:
     return f"N{config['BLOCK_N']} K{config['BLOCK_K']} s{config['num_stages']}"
 
 
-def _line(row: dict) -> str:
-    mark = ("chosen " if row["chosen"] else "") + ("best" if row["best"] else "")
-    return (f"{row['projection']:>7} {row['shards']:>2} {row['rows']:>3} {row['width']:>6} {row['widths']:>16} "
-            f"{row['config']:>13} {row['programs']:>5} {row['us']:>8.2f} {row['tbps']:>6.2f} {mark}")
-
-
-def print_tables(rows: list) -> None:
-    print(f"{'proj':>7} {'tp':>2} {'m':>3} {'K':>6} {'N':>16} {'config':>13} {'progs':>5} {'us':>8} {'TB/s':>6} mark")
-    for row in rows:
-        print(_line(row))
-    print("\nsummary: cuBLAS, the chosen configuration and the best one (us, TB/s), best/chosen speedup")
+def print_summary(rows: list) -> None:
+    """A line per shape (the whole sweep is in the JSON): cuBLAS, the chosen configuration and the best one, each
+    as µs and TB/s, and chosen / best."""
+    print("shape | cuBLAS us TB/s | chosen config, programs, us, TB/s | best config, programs, us, TB/s | chosen/best")
     keys = ("projection", "shards", "rows")
     for key, group in itertools.groupby(rows, key=lambda row: tuple(row[k] for k in keys)):
         group = list(group)
         cublas = group[0]
         chosen = next(row for row in group if row["chosen"])
         best = next((row for row in group if row["best"]), chosen)
-        print(f"{key[0]:>7} tp{key[1]} m{key[2]:<3} cublas {cublas['us']:7.2f} {cublas['tbps']:5.2f} | "
-              f"chosen {chosen['config']:>13} {chosen['programs']:>4}p {chosen['us']:7.2f} {chosen['tbps']:5.2f} | "
-              f"best {best['config']:>13} {best['programs']:>4}p {best['us']:7.2f} {best['tbps']:5.2f} | "
+        print(f"{key[0]:>7} tp{key[1]} m{key[2]:<3} | {cublas['us']:7.2f} {cublas['tbps']:5.2f} | "
+              f"{chosen['config']:>13} {chosen['programs']:>4}p {chosen['us']:7.2f} {chosen['tbps']:5.2f} | "
+              f"{best['config']:>13} {best['programs']:>4}p {best['us']:7.2f} {best['tbps']:5.2f} | "
               f"{chosen['us'] / best['us']:5.2f}x")
 
 
@@ -190,7 +183,7 @@ def main():
     for shape in shapes():
         rows += measure(shape, properties.L2_cache_size, torch.device("cuda"))
         torch.cuda.empty_cache()
-    print_tables(rows)
+    print_summary(rows)
     device = dict(name=properties.name, sms=properties.multi_processor_count, l2_bytes=properties.L2_cache_size,
                   shared_memory_limit=shared_memory_limit(torch.device("cuda")), torch=torch.__version__,
                   seconds=round(time.perf_counter() - start, 1))

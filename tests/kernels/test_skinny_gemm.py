@@ -37,7 +37,7 @@ def test_grouped_linear_matches_fp64(device, poisoned, rows, dtype, with_bias, c
         assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("rows", [1, 16, 37, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 16, 20, 37, MAX_ROWS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_gated_linear_rounds_like_the_gated_mlp(device, poisoned, rows, dtype, assert_close):
     """silu(x·gateᵀ)·(x·upᵀ) with each projection and the activation rounded to the dtype, as transformers rounds."""
@@ -146,3 +146,4 @@ def test_linear_residual_rounds_like_torch(device, poisoned, rows, dtype, with_b
         assert (out != linear_residual_reference(x, weight, bias, residual)).float().mean() < 0.05
     with pytest.raises(ValueError, match=r"residual must be \[%d, 72\]" % rows):
         linear_residual(x, weight, bias, residual[:, :70])
+
