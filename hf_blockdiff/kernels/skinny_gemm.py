@@ -62,10 +62,13 @@ def _check(x: torch.Tensor, weights: list, biases: list) -> None:
 def _tiles(n_out: int, width: int, gated: bool, block_m: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, pipeline stages), from an H200 sweep at SDAR-4B's shapes (q/k/v and gate/up 3.0-3.9 TB/s
     at 4-16 rows against cuBLAS's 1.2-3.0, 2.6-3.5 at 32-64): 64 columns for wide outputs, long K steps for long rows,
-    short ones when gated (two weight tiles in flight) or at 64 rows (shared memory)."""
+    short ones at 64 rows (shared memory). Then an H200 sweep at SDAR-8B's tensor-parallel shards, whose short K
+    leaves a program few steps (benchmarks/skinny_tiles.py; docs/kernels.md, "Skinny GEMMs"): 32 KiB of weight
+    tiles a stage in four stages, K steps of 512 up to 16 rows at any width and gate/up's 256 (32 columns at 64 rows,
+    to fit)."""
     if gated:
-        return (32 if block_m == 16 else 64), 128, 3
-    block_k = 128 if block_m == 64 else 512 if width >= 4096 else 256
+        return (64 if block_m == 32 else 32), (256 if block_m == 16 else 128), 4
+    block_k = 128 if block_m == 64 else 512 if block_m == 16 or width >= 4096 else 256
     return (64 if n_out > 4096 else 32), block_k, 4
 
 
@@ -204,14 +207,16 @@ if TRITON_AVAILABLE:
                 acc_up = dot_t(x, tl.load(w1 + w_offsets + k0, mask=w_mask, other=0.0), acc_up, IEEE)
         _store(acc, acc_up, b_ptr, r_ptr, y_ptr, cols, rm, rows, n, HAS_BIAS, GATED, HAS_RESIDUAL)
 
-    def _launch(x, weights, biases, outputs, gated, residual=None):
+    def _launch(x, weights, biases, outputs, gated, residual=None, configs=None):
+        """The kernel with the first of `configs` that loads (None: `device_configs`', the tile sweep
+        benchmarks/skinny_tiles.py names its own)."""
         if x.data_ptr() % 16:
             x = x.clone()
         rows, width = x.shape
-        widths = [w.shape[0] for w in weights] + [0] * (3 - len(weights))
+        widths = tuple(w.shape[0] for w in weights) + (0,) * (3 - len(weights))
         has_bias = biases[0] is not None
         block_m = max(16, triton.next_power_of_2(rows))
-        configs = _configs(sum(widths), width, gated, block_m, x.element_size(), shared_memory_limit(x.device))
+        configs = configs or device_configs(x, widths, gated)
         overlap = dependent_launch(x.device)
         launch(_skinny_kernel, lambda config: (_programs(widths, gated, config["BLOCK_N"]),),
             x, *_three(weights), *_three(biases if has_bias else weights), *_three(outputs),
@@ -221,7 +226,13 @@ if TRITON_AVAILABLE:
             **launch_options(overlap),
         )
 
-    def _programs(widths: list, gated: bool, block_n: int) -> int:
+    def device_configs(x: torch.Tensor, widths: tuple, gated: bool) -> tuple:
+        """The candidate configurations of a launch on x's rows and device for weights of `widths` output columns
+        (three, zeros for unused slots; gated: gate's and up's)."""
+        block_m = max(16, triton.next_power_of_2(x.shape[0]))
+        return _configs(sum(widths), x.shape[1], gated, block_m, x.element_size(), shared_memory_limit(x.device))
+
+    def _programs(widths: tuple, gated: bool, block_n: int) -> int:
         """Column tiles: of the gate's columns (up's are the same) when gated, else of every weight's."""
         return triton.cdiv(widths[0], block_n) if gated else sum(triton.cdiv(n, block_n) for n in widths)
 

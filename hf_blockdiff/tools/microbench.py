@@ -19,14 +19,15 @@ from ..kernels.scoring import score_reference, score_triton
 HQ, HKV, HEAD_DIM, VOCAB, MASK_ID = 32, 8, 128, 151936, 151669
 
 
-def time_ms(fn, device, graph=False):
-    """Median milliseconds; graph=True replays fn in a CUDA graph, leaving out the host's launch overhead."""
+def time_ms(fn, device, graph=False, rep_ms=20):
+    """Median milliseconds of calls repeated for about `rep_ms` each time; graph=True replays fn in a CUDA graph,
+    leaving out the host's launch overhead."""
     if device == "cuda":
         import triton.testing
 
         if graph:
-            return triton.testing.do_bench_cudagraph(fn, return_mode="median")
-        return triton.testing.do_bench(fn, return_mode="median")
+            return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+        return triton.testing.do_bench(fn, rep=rep_ms, return_mode="median")
     fn()
     start = time.perf_counter()
     fn()

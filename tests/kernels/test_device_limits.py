@@ -23,6 +23,8 @@ LIMITS = {"H100/H200": H100, "A100": 166912, "consumer": 101376}
 MODELS = {  # hidden, intermediate, query heads, KV heads (head dim 128)
     "SDAR-8B": (4096, 12288, 32, 8),
     "SDAR-4B": (2560, 9728, 32, 8),
+    "SDAR-8B TP2": (4096, 6144, 16, 4),  # a tensor-parallel rank's shards
+    "SDAR-8B TP4": (4096, 3072, 8, 2),
     "wide": (8192, 28672, 64, 8),
 }
 
@@ -58,14 +60,14 @@ def test_assumed_shared_memory_overrides_every_device():
 
 
 def _skinny_choices(model: str, element_size: int, limit: int) -> dict:
-    """{(projection, BLOCK_M): (first configuration, its estimate)} of a decoder layer's skinny GEMMs (the down
-    projection runs up to 16 rows)."""
+    """{(projection, BLOCK_M): (first configuration, its estimate)} of a decoder layer's skinny GEMMs (the o and
+    down projections run up to 16 rows)."""
     hidden, inner, heads, kv_heads = MODELS[model]
     projections = (("qkv", (heads + 2 * kv_heads) * 128, hidden, False), ("gate_up", 2 * inner, hidden, True),
-                   ("down", hidden, inner, False))
+                   ("down", hidden, inner, False), ("o", hidden, heads * 128, False))
     choices = {}
     for block_m in (16, 32, 64):
-        for name, n_out, width, gated in projections[:3 if block_m == 16 else 2]:
+        for name, n_out, width, gated in projections[:4 if block_m == 16 else 2]:
             config = skinny_gemm._configs(n_out, width, gated, block_m, element_size, limit)[0]
             choices[name, block_m] = config, skinny_gemm._shared_bytes(config, block_m, gated, element_size)
     return choices
@@ -102,13 +104,27 @@ def test_every_choice_fits(model, element_size, limit):
     assert all(estimate <= limit for _, estimate in choices), [c for c in choices if c[1] > limit]
 
 
-def test_sdar_4b_keeps_todays_choices_on_h100():
-    """The configurations measured on an H200 at SDAR-4B's shapes all fit 227 KiB: none changes."""
+def test_sdar_4b_choices_on_h100():
+    """The configurations measured on H200s (SDAR-4B's shapes, then SDAR-8B's shards) fit 227 KiB as chosen, but
+    q/k/v's 64 columns up to 16 rows, whose K steps of 512 step down to 256."""
     chosen = {key: tuple(config.values()) for key, (config, _) in _skinny_choices("SDAR-4B", 2, H100).items()}
     assert chosen == {  # (BLOCK_N, BLOCK_K, num_stages)
         ("qkv", 16): (64, 256, 4), ("qkv", 32): (64, 256, 4), ("qkv", 64): (64, 128, 4),
-        ("gate_up", 16): (32, 128, 3), ("gate_up", 32): (64, 128, 3), ("gate_up", 64): (64, 128, 3),
-        ("down", 16): (32, 512, 4),
+        ("gate_up", 16): (32, 256, 4), ("gate_up", 32): (64, 128, 4), ("gate_up", 64): (32, 128, 4),
+        ("down", 16): (32, 512, 4), ("o", 16): (32, 512, 4),
+    }
+
+
+@pytest.mark.parametrize("model", ["SDAR-8B TP2", "SDAR-8B TP4"])
+def test_tensor_parallel_shards_take_long_k_steps(model):
+    """A tensor-parallel rank's shards of SDAR-8B on an H100 or H200, as an H200 sweep measured them best
+    (docs/kernels.md, "Skinny GEMMs"): up to 16 rows, K steps of 512 whatever the K (o's 2,048 or 1,024, down's
+    3,072), gate/up K steps of 256 in four stages; each fits as chosen, but q/k/v's K steps of 512 at 32 rows."""
+    chosen = {key: tuple(config.values()) for key, (config, _) in _skinny_choices(model, 2, H100).items()}
+    assert chosen == {  # (BLOCK_N, BLOCK_K, num_stages)
+        ("qkv", 16): (32, 512, 4), ("qkv", 32): (32, 256, 4), ("qkv", 64): (32, 128, 4),
+        ("gate_up", 16): (32, 256, 4), ("gate_up", 32): (64, 128, 4), ("gate_up", 64): (32, 128, 4),
+        ("down", 16): (32, 512, 4), ("o", 16): (32, 512, 4),
     }
     attention = {key: tuple(config.values()) for key, (config, _) in _attention_choices(2, H100).items()}
     assert attention[128, 16, 8] == (16, 64, 4, 3)  # (BLOCK_M, BLOCK_N, num_warps, num_stages): a decode step
@@ -123,7 +139,7 @@ def test_sdar_8b_steps_down_only_where_it_must():
     now; its gate/up and down keep their tiles. An A100 gets no wide attention tiles."""
     h100 = {key: tuple(config.values()) for key, (config, _) in _skinny_choices("SDAR-8B", 2, H100).items()}
     assert h100["qkv", 16] == h100["qkv", 32] == (64, 256, 4)
-    assert h100["gate_up", 16] == (32, 128, 3) and h100["down", 16] == (32, 512, 4)
+    assert h100["gate_up", 16] == (32, 256, 4) and h100["down", 16] == (32, 512, 4)
     a100 = _attention_choices(2, LIMITS["A100"])
     assert a100[256, 128, 1][0] == {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
 

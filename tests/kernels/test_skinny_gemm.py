@@ -37,7 +37,7 @@ def test_grouped_linear_matches_fp64(device, poisoned, rows, dtype, with_bias, c
         assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("rows", [1, 16, 37, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 16, 20, 37, MAX_ROWS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_gated_linear_rounds_like_the_gated_mlp(device, poisoned, rows, dtype, assert_close):
     """silu(x·gateᵀ)·(x·upᵀ) with each projection and the activation rounded to the dtype, as transformers rounds."""
@@ -115,19 +115,22 @@ def test_width_4096_fitted_to_the_device(device, poisoned, limit, block_k, monke
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shards", [1, 2, 4])
 @pytest.mark.parametrize("rows", [1, 4, 16, 32, 64])
-def test_sdar_8b_shapes_gpu(rows, assert_close):
-    """SDAR-8B's q/k/v (whose K steps of 512 asked an H200 for 240 KiB of shared memory), gate/up and down, against
-    cuBLAS: every configuration fits the device."""
-    x, weights, _ = _tensors("cuda", torch.bfloat16, rows, 4096, (4096, 1024, 1024), seed=rows)
+def test_sdar_8b_shapes_gpu(rows, shards, assert_close):
+    """SDAR-8B's q/k/v (whose K steps of 512 asked an H200 for 240 KiB of shared memory), gate/up, o and down, on one
+    GPU and a tensor-parallel rank's shards, against cuBLAS: every configuration fits the device."""
+    x, weights, _ = _tensors("cuda", torch.bfloat16, rows, 4096, (4096 // shards, 1024 // shards, 1024 // shards),
+                             seed=rows)
     for out, ref in zip(grouped_linear(x, weights, [None] * 3), grouped_linear_reference(x, weights, [None] * 3)):
         assert_close(out, ref.double(), torch.bfloat16)
-    _, (gate, up), _ = _tensors("cuda", torch.bfloat16, rows, 4096, (12288, 12288), seed=rows + 1)
+    _, (gate, up), _ = _tensors("cuda", torch.bfloat16, rows, 4096, (12288 // shards,) * 2, seed=rows + 1)
     assert_close(gated_linear(x, gate, up), gated_linear_reference(x, gate, up).double(), torch.bfloat16)
-    inner, (down,), _ = _tensors("cuda", torch.bfloat16, rows, 12288, (4096,), seed=rows + 2)
     residual = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
-    assert_close(linear_residual(inner, down, None, residual),
-                 linear_residual_reference(inner, down, None, residual).double(), torch.bfloat16)
+    for width in (4096 // shards, 12288 // shards):  # o, down
+        inner, (weight,), _ = _tensors("cuda", torch.bfloat16, rows, width, (4096,), seed=rows + width)
+        assert_close(linear_residual(inner, weight, None, residual),
+                     linear_residual_reference(inner, weight, None, residual).double(), torch.bfloat16)
 
 
 @pytest.mark.parametrize("rows", [1, 7, ONE_WEIGHT_MAX_ROWS, ONE_WEIGHT_MAX_ROWS + 3])  # past 16: torch's own
@@ -146,3 +149,4 @@ def test_linear_residual_rounds_like_torch(device, poisoned, rows, dtype, with_b
         assert (out != linear_residual_reference(x, weight, bias, residual)).float().mean() < 0.05
     with pytest.raises(ValueError, match=r"residual must be \[%d, 72\]" % rows):
         linear_residual(x, weight, bias, residual[:, :70])
+
