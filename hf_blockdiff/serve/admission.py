@@ -14,11 +14,11 @@ from .schemas import ChatCompletionRequest, CompletionRequest, Sampling
 
 @dataclass(frozen=True)
 class Limits:
-    """What the server's engine and model hold: the LiveEngine's capacities and the model's positions."""
+    """What the server's LiveEngine holds: its longest prompt and most new tokens (together within the model's
+    positions), and the model's vocabulary."""
 
     max_prompt_tokens: int
     max_new_tokens: int
-    positions: int | None  # max_position_embeddings (None: unbounded)
     vocab_size: int
 
 
@@ -48,7 +48,7 @@ def admit(request: Sampling, prompt: list[int], model_name: str, limits: Limits)
         raise APIError(400, f"model: {request.model!r} is not served here; this server serves {model_name!r}",
                        "model", "model_not_found")
     check_prompt(prompt, prompt_field, limits)
-    new_tokens = output_length(request, len(prompt), limits)
+    new_tokens = output_length(request, limits)
     if request.blockdiff.drafts and not request.stream:
         raise APIError(400, "blockdiff.drafts: drafts come in stream chunks; set stream: true", "blockdiff.drafts")
     seed = random_seed() if request.seed is None else request.seed
@@ -71,21 +71,13 @@ def check_prompt(prompt: list[int], field: str, limits: Limits) -> None:
                        f"{limits.max_prompt_tokens}", field)
 
 
-def output_length(request: Sampling, prompt_length: int, limits: Limits) -> int:
-    """max_tokens (chat: max_completion_tokens), else all the server's capacity that fits the model's positions."""
-    room = limits.max_new_tokens if limits.positions is None else min(limits.max_new_tokens,
-                                                                        limits.positions - prompt_length)
+def output_length(request: Sampling, limits: Limits) -> int:
+    """max_tokens (chat: max_completion_tokens), else the server's most."""
     field = request.new_tokens_field
-    if request.new_tokens is None:
-        if room < 1:
-            raise APIError(400, f"{field}: the prompt's {prompt_length} tokens leave no room in the model's "
-                           f"{limits.positions} positions", field)
-        return room
-    if request.new_tokens > room:
-        raise APIError(400, f"{field}={request.new_tokens} is more than this server generates after a prompt of "
-                       f"{prompt_length} tokens (at most {room}: the server's {limits.max_new_tokens} new tokens "
-                       f"and the model's {limits.positions} positions)", field)
-    return request.new_tokens
+    if request.new_tokens is not None and request.new_tokens > limits.max_new_tokens:
+        raise APIError(400, f"{field}={request.new_tokens}: this server generates at most {limits.max_new_tokens} "
+                       "tokens per row (the model's positions hold its longest prompt and those)", field)
+    return limits.max_new_tokens if request.new_tokens is None else request.new_tokens
 
 
 # the RowSettings field an engine error names -> the request field a 400 names

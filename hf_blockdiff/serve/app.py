@@ -99,26 +99,28 @@ async def answer(server: Server, metrics: Metrics, body: Sampling, prompt: list[
     if server.engine.queue_depth + len(admitted.rows) > server.max_queue:
         raise APIError(429, f"the queue is full ({server.max_queue} rows wait for a slot): retry later",
                        code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-    rows = RequestRows(server.engine, server.request_timeout)
+    rows = RequestRows(server.engine, server.request_timeout, metrics)
     try:
         rows.submit(admitted.prompt, admitted.rows)
     except ValueError as error:
         raise engine_refusal(error, body) from None
+    except RuntimeError:  # the engine is closing
+        raise APIError(503, "the server is shutting down", code="shutting_down") from None
     metrics.prompt_tokens.inc(len(prompt))
     choices = [ChoiceState(ChoiceText(server.tokenizer, body.stop_strings)) for _ in admitted.rows]
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = stream_events(rows, fmt, choices, len(prompt), include_usage, server.request_timeout, metrics)
+        events = stream_events(rows, fmt, choices, len(prompt), include_usage, server.request_timeout)
         return StreamingResponse(events, media_type=MEDIA_TYPE, headers=HEADERS)
-    return await whole_response(rows, fmt, choices, len(prompt), server.request_timeout, metrics, request)
+    return await whole_response(rows, fmt, choices, len(prompt), server.request_timeout, request)
 
 
 async def whole_response(rows: RequestRows, fmt: Format, choices: list[ChoiceState], prompt_tokens: int,
-                         timeout: float | None, metrics: Metrics, request: Request) -> Response:
+                         timeout: float | None, request: Request) -> Response:
     """The response once every row finished; a client that disconnects first cancels the rows."""
 
     async def collect() -> None:
-        async for _ in choice_updates(rows, choices, timeout, metrics):
+        async for _ in choice_updates(rows, choices, timeout):
             pass
 
     with rows:

@@ -20,8 +20,8 @@ class RequestTimeout(Exception):
 class RequestRows:
     """The engine rows of one request (its n choices) and their updates, in the order the engine sent them."""
 
-    def __init__(self, engine, timeout: float | None):
-        self.engine = engine
+    def __init__(self, engine, timeout: float | None, metrics):
+        self.engine, self.metrics = engine, metrics
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.handles: list = []
@@ -40,7 +40,12 @@ class RequestRows:
             raise
 
     def _callback(self, index: int):
+        tokens = 0
+
         def deliver(update) -> None:  # in the engine thread
+            nonlocal tokens
+            tokens += len(update.tokens)
+            self.metrics.observe(update, tokens)
             try:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, update))
             except RuntimeError:  # the event loop has closed: nobody waits for this row any more

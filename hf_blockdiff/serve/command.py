@@ -48,18 +48,21 @@ def check_options(options: ServeOptions) -> None:
 
 
 def limits_of(model, config: BlockDiffusionConfig, max_new_tokens_given: bool) -> Limits:
-    """The server's capacities: max_new_tokens as given, else the config's lowered to the whole blocks of half the
-    model's positions; prompts up to the positions that leave one new token."""
-    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    """The engine's capacities: max_new_tokens as given, else the config's lowered to the whole blocks of half the
+    model's positions; prompts as long as the positions hold before those new tokens' blocks."""
+    text_config = model.config.get_text_config()
+    positions = getattr(text_config, "max_position_embeddings", None)
     new_tokens = config.max_new_tokens
-    if positions is not None and not max_new_tokens_given:
-        block = decoded_block_size(config, model_profile(model)) or 1
+    if positions is None:
+        return Limits(new_tokens, new_tokens, text_config.vocab_size)
+    block = decoded_block_size(config, model_profile(model)) or 1
+    if not max_new_tokens_given:
         new_tokens = min(new_tokens, max(positions // 2 // block * block, 1))
-    prompt_tokens = positions - 1 if positions is not None else new_tokens
+    prompt_tokens = positions // block * block - -(-new_tokens // block) * block  # whole blocks, either alignment
     if prompt_tokens < 1:
         raise ValueError(f"--max-new-tokens {new_tokens} leaves no room for a prompt in the model's {positions} "
                          "positions: lower it")
-    return Limits(prompt_tokens, new_tokens, positions, model.config.get_text_config().vocab_size)
+    return Limits(prompt_tokens, new_tokens, text_config.vocab_size)
 
 
 def serve(options: ServeOptions, config: BlockDiffusionConfig) -> None:

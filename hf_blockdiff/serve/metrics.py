@@ -1,7 +1,9 @@
 """`GET /metrics` in Prometheus' text format (docs/architecture.md, "Server"): requests by endpoint and status, prompt
-and completion tokens, the rows' decoding steps (tokens per forward is completion tokens over them, the TPF of
-docs/architecture.md, "Vocabulary"), and, read from the engine at each scrape, its forwards, queue depth and slot
-occupancy. Each server has its own registry, so several in one process (tests) do not collide."""
+and committed tokens, rows by how they finished, the finished rows' decoding steps (tokens per forward is their
+tokens over their steps, the TPF of docs/architecture.md, "Vocabulary"), and, read from the engine at each scrape,
+its forwards, queue depth and slot occupancy. Rows are counted from the engine's updates (`observe`, in the engine
+thread), whether or not a client still reads them. Each server has its own registry, so several in one process
+(tests) do not collide."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ class Metrics:
                                      registry=self.registry)
         self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "committed output tokens",
                                          registry=self.registry)
+        self.rows = Counter(f"{PREFIX}_rows", "rows finished, by finish reason", ["finish_reason"],
+                            registry=self.registry)
         self.row_forwards = Counter(f"{PREFIX}_row_forwards", "decoding steps of finished rows",
                                     registry=self.registry)
         tokens_per_forward = Gauge(f"{PREFIX}_tokens_per_forward", "completion tokens per decoding step of a row "
@@ -34,16 +38,19 @@ class Metrics:
         for name, (text, read) in engine_gauges.items():
             Gauge(f"{PREFIX}_{name}", text, registry=self.registry).set_function(read)
 
-        self.totals = [0, 0]  # completion tokens and decoding steps of the finished rows
+        self.totals = (0, 0)  # committed tokens and decoding steps of the finished rows
 
     def _tokens_per_forward(self) -> float:
         tokens, steps = self.totals
         return tokens / steps if steps else 0.0
 
-    def finished_row(self, tokens: int, forwards: int) -> None:
-        self.completion_tokens.inc(tokens)
-        self.row_forwards.inc(forwards)
-        self.totals = [self.totals[0] + tokens, self.totals[1] + forwards]
+    def observe(self, update, row_tokens: int) -> None:
+        """One RowUpdate (in the engine thread); `row_tokens`: the row's committed tokens, these included."""
+        self.completion_tokens.inc(len(update.tokens))
+        if update.finish_reason is not None:
+            self.rows.labels(update.finish_reason).inc()
+            self.row_forwards.inc(update.forwards)
+            self.totals = (self.totals[0] + row_tokens, self.totals[1] + update.forwards)
 
     def exposition(self) -> tuple[bytes, str]:
         """The text of a scrape and its content type."""

@@ -143,17 +143,14 @@ def settled(update) -> None:
         raise APIError(500, f"the engine failed on this request: {update.error!r}", code="engine_error")
 
 
-async def choice_updates(rows: RequestRows, choices: list[ChoiceState], timeout: float | None,
-                         metrics) -> AsyncIterator[tuple[int, str, object]]:
+async def choice_updates(rows: RequestRows, choices: list[ChoiceState],
+                         timeout: float | None) -> AsyncIterator[tuple[int, str, object]]:
     """(choice index, text added, RowUpdate) as the rows' updates arrive, each applied to its choice; a row the
     engine did not finish, or the request's deadline, raises the APIError the client gets."""
     try:
         async for index, update in rows.updates():
             settled(update)
-            piece = choices[index].apply(update)
-            if update.finish_reason is not None:
-                metrics.finished_row(len(choices[index].tokens), update.forwards)
-            yield index, piece, update
+            yield index, choices[index].apply(update), update
     except RequestTimeout:
         raise APIError(504, f"the request did not finish within the server's --request-timeout of {timeout} s: its "
                        "rows were cancelled", code="timeout") from None

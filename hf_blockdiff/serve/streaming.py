@@ -21,7 +21,7 @@ def event(body: dict) -> bytes:
 
 
 async def stream_events(rows: RequestRows, fmt: Format, choices: list[ChoiceState], prompt_tokens: int,
-                        include_usage: bool, timeout: float | None, metrics) -> AsyncIterator[bytes]:
+                        include_usage: bool, timeout: float | None) -> AsyncIterator[bytes]:
     """The events of one streamed request: a chunk per update that adds text, logprobs, a draft or the finish
     reason, in the order the engine committed them. A client that disconnects cancels this generator (Starlette's
     StreamingResponse), and leaving `with rows` cancels the rows."""
@@ -30,7 +30,7 @@ async def stream_events(rows: RequestRows, fmt: Format, choices: list[ChoiceStat
             for index in range(len(choices)):
                 if (first := fmt.first_chunk(index)) is not None:
                     yield event(first)
-            async for index, piece, update in choice_updates(rows, choices, timeout, metrics):
+            async for index, piece, update in choice_updates(rows, choices, timeout):
                 if piece or update.tokens or update.finish_reason is not None or update.draft is not None:
                     yield event(fmt.chunk(index, choices[index], piece, update))
             if include_usage:
