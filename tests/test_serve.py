@@ -85,6 +85,7 @@ class Expected:
     finish_reason: str
     tokens: list
     logprobs: list = field(repr=False)
+    steps: int = 0  # the row's decoding steps (usage.forwards sums them over the choices)
 
 
 def offline(demo, prompt_ids, n=1, seed=0, max_tokens=32, stop=(), **sampling) -> list[Expected]:
@@ -92,6 +93,8 @@ def offline(demo, prompt_ids, n=1, seed=0, max_tokens=32, stop=(), **sampling) -
     the special tokens skipped and cut before the first stop string."""
     model, tokenizer = demo
     keywords = {k: v for k, v in sampling.items() if v is not None}
+    if stop:
+        keywords.update(stop_strings=list(stop), tokenizer=tokenizer)
     out = model.generate_multi_block(torch.tensor([prompt_ids]), CFG, max_new_tokens=max_tokens, return_dict=True,
                                      num_return_sequences=n, generator=torch.Generator().manual_seed(seed), **keywords)
     rows = []
@@ -100,8 +103,9 @@ def offline(demo, prompt_ids, n=1, seed=0, max_tokens=32, stop=(), **sampling) -
         tokens = out.sequences[row, len(prompt_ids):len(prompt_ids) + kept].tolist()
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         cuts = [text.find(s) for s in stop if s in text]
-        finish = "stop" if cuts or kept < max_tokens else "length"
-        rows.append(Expected(text[:min(cuts)] if cuts else text, finish, tokens, out.logprobs[row, :kept].tolist()))
+        finish = "stop" if cuts or tokens[-1:] == [model.config.eos_token_id] else "length"
+        rows.append(Expected(text[:min(cuts)] if cuts else text, finish, tokens, out.logprobs[row, :kept].tolist(),
+                             int(out.steps[row])))
     return rows
 
 
@@ -114,7 +118,8 @@ def test_completion_equals_offline_with_logprobs(live, demo):
     assert choice.logprobs.tokens == [demo[1].decode([t]) for t in expected.tokens]
     assert choice.logprobs.token_logprobs == pytest.approx(expected.logprobs, abs=1e-5)
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (6, len(expected.tokens))
-    assert answer.usage.total_tokens == 6 + len(expected.tokens) and answer.usage.model_extra["forwards"] >= 1
+    assert answer.usage.total_tokens == 6 + len(expected.tokens)
+    assert answer.usage.model_extra["forwards"] == expected.steps
 
 
 def test_chat_n_samples_and_stream_equal_offline(live, demo):
@@ -151,6 +156,27 @@ def test_stream_stop_strings_and_usage(live, demo):
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == expected.text and stop not in text and chunks[-2].choices[0].finish_reason == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(prompt)
+
+
+def test_what_the_engine_refuses_is_a_400_naming_the_field(live):
+    url, engine = live
+    with pytest.raises(openai.BadRequestError) as refused:  # the engine's strategy takes thresholds in [0, 1]
+        client(url).completions.create(model="demo", prompt="1+1=", n=2, extra_body={"blockdiff": {"threshold": 5.0}})
+    assert refused.value.body["param"] == "blockdiff.threshold" and engine.queue_depth == engine.running == 0
+
+
+def test_drafts_come_only_when_asked(live, demo):
+    """`"blockdiff": {"drafts": true}` adds each step's provisional output (mask id where undecided) to its chunk;
+    the committed text is the same."""
+    url, _ = live
+    body = dict(model="demo", prompt="rev abcdefg=", max_tokens=12, seed=2, stream=True)
+    plain = list(client(url).completions.create(**body))
+    drafted = list(client(url).completions.create(**body, extra_body={"blockdiff": {"drafts": True}}))
+    assert not any("draft" in chunk.choices[0].model_extra for chunk in plain)
+    drafts = [chunk.choices[0].model_extra["draft"] for chunk in drafted if "draft" in chunk.choices[0].model_extra]
+    masks = [draft.count(demo[0].config.mask_token_id) for draft in drafts]
+    assert masks[0] > 0 and masks == sorted(masks, reverse=True)
+    assert "".join(c.choices[0].text for c in drafted) == "".join(c.choices[0].text for c in plain)
 
 
 def request_mix(demo, count=32, seed=0):
@@ -199,11 +225,14 @@ def ask(openai_client, request) -> list[tuple[str, str, list]]:
 
 
 def test_32_concurrent_clients_each_get_their_offline_answer(live, demo):
-    url, _ = live
+    url, engine = live
     mix = request_mix(demo)
     shared = client(url, http_client=httpx.Client(limits=httpx.Limits(max_connections=32), timeout=120))
+    forwards, row_steps = engine.forwards, metric(url, "hf_blockdiff_row_forwards_total")
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         answers = list(pool.map(lambda request: ask(shared, request), mix))
+    # the rows shared forwards: the engine ran fewer than their steps
+    assert engine.forwards - forwards < metric(url, "hf_blockdiff_row_forwards_total") - row_steps
     for request, answer in zip(mix, answers):
         stop = (request["stop"],) if request["stop"] else ()
         expected = offline(demo, request["ids"], request["n"], request["seed"], request["max_tokens"], stop,

@@ -23,18 +23,15 @@ class ChoiceState:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     forwards: int = 0
-    finish_reason: str | None = None  # the engine's, "stop" where a stop string ended the text
+    finish_reason: str | None = None  # the engine's: "stop" (a stop token or string) or "length"
 
     def apply(self, update) -> str:
         """Take one RowUpdate; the text it adds."""
         self.tokens += update.tokens
         self.logprobs += update.logprobs
         self.forwards = update.forwards
-        final = update.finish_reason is not None
-        piece = self.text.push(update.tokens, final)
-        if final:
-            self.finish_reason = "stop" if self.text.stopped else update.finish_reason
-        return piece
+        self.finish_reason = update.finish_reason
+        return self.text.push(update.tokens, final=update.finish_reason is not None)
 
 
 def usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict:
