@@ -180,7 +180,8 @@ def test_drafts_come_only_when_asked(live, demo):
 
 
 def request_mix(demo, count=32, seed=0):
-    """Mixed requests: prompt lengths 1 to 32 (the server's longest), greedy and sampled, top-p, top-k, thresholds, stops, n, streams."""
+    """Mixed requests: prompt lengths 1 to 32 (the server's longest), greedy and sampled, top-p, top-k, thresholds,
+    stop strings, n, chat, streams."""
     from hf_blockdiff.tools.tasks import make_problems
 
     rng = random.Random(seed)
@@ -423,11 +424,11 @@ def test_serve_without_the_extra_names_it(monkeypatch, capsys):
     assert "pip install 'hf-blockdiff[serve]'" in capsys.readouterr().err
 
 
-def test_sigterm_finishes_the_requests_in_flight_and_stops(tmp_path):
+def test_sigterm_finishes_the_requests_in_flight_and_stops():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1",  # the tiny model gains nothing from the cores this process uses
+    environment = {**os.environ, "OMP_NUM_THREADS": "1",  # the tiny model gains nothing from a second core
                    "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "hf_blockdiff.cli", "serve", "--model", "demo", "--port", str(port),
                "--max-new-tokens", "32", "--eos-token-id"]  # no stop token: every row runs its max_tokens

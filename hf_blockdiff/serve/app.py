@@ -124,7 +124,8 @@ async def whole_response(rows: RequestRows, fmt: Format, choices: list[ChoiceSta
             pass
 
     with rows:
-        tasks = collecting, leaving = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected(request))
+        collecting = asyncio.ensure_future(collect())
+        tasks = (collecting, asyncio.ensure_future(disconnected(request)))
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
