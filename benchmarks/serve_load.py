@@ -107,7 +107,7 @@ def main() -> None:
     prompts = random_prompts(model, args.clients, args.min_prompt, args.max_prompt)
     engine = LiveEngine(model, cfg, max_batch_size=args.clients, max_prompt_tokens=args.max_prompt,
                         max_new_tokens=args.new_tokens)
-    limits = Limits(args.max_prompt, args.new_tokens, model.config.get_text_config().vocab_size)
+    limits = Limits(args.max_prompt, args.new_tokens)
     server, thread, url = serve_in_thread(create_app(Server(engine, IdTokenizer(), "load", limits,
                                                             max_queue=args.clients, request_timeout=3600)))
     try:

@@ -158,13 +158,6 @@ def test_stream_stop_strings_and_usage(live, demo):
     assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(prompt)
 
 
-def test_what_the_engine_refuses_is_a_400_naming_the_field(live):
-    url, engine = live
-    with pytest.raises(openai.BadRequestError) as refused:  # the engine's strategy takes thresholds in [0, 1]
-        client(url).completions.create(model="demo", prompt="1+1=", n=2, extra_body={"blockdiff": {"threshold": 5.0}})
-    assert refused.value.body["param"] == "blockdiff.threshold" and engine.queue_depth == engine.running == 0
-
-
 def test_drafts_come_only_when_asked(live, demo):
     """`"blockdiff": {"drafts": true}` adds each step's provisional output (mask id where undecided) to its chunk;
     the committed text is the same."""
@@ -277,7 +270,43 @@ def wait_for(condition, seconds=30.0):
         time.sleep(0.02)
 
 
-# --- the server's own refusals, on an engine that holds every row until it is cancelled ----------------------------
+BAD = [  # (body, param) -> 400 naming param
+    ('{"model": "demo", "prompt": "1+1="', None),  # not JSON
+    ('[1, 2]', None),  # not an object
+    ('{"model": "other", "prompt": "1+1="}', "model"),
+    ('{"model": "demo", "prompt": "1+1=", "max_tokens": 60}', "max_tokens"),
+    ('{"model": "demo", "prompt": "1+1=", "max_tokens": "8"}', "max_tokens"),
+    ('{"model": "demo", "prompt": "1+1=", "n": 0}', "n"),
+    ('{"model": "demo", "prompt": "1+1=", "n": 65}', "n"),  # more rows than the queue holds
+    ('{"model": "demo", "prompt": "1+1=", "temperature": 2.5}', "temperature"),
+    ('{"model": "demo", "prompt": "1+1=", "top_p": 0}', "top_p"),
+    ('{"model": "demo", "prompt": [5, 48]}', "prompt"),  # outside the vocabulary (the engine refuses it)
+    ('{"model": "demo", "prompt": ""}', "prompt"),
+    ('{"model": "demo", "prompt": "%s"}' % ("1" * 33), "prompt"),  # longer than the engine's 32 prompt tokens
+    ('{"model": "demo", "prompt": "1+1=", "n": 2, "blockdiff": {"threshold": 5.0}}', "blockdiff.threshold"),
+    ('{"model": "demo", "prompt": "1+1=", "logprobs": 2}', "logprobs"),
+    ('{"model": "demo", "prompt": "1+1=", "stop": ""}', "stop"),
+    ('{"model": "demo", "prompt": "1+1=", "blockdiff": {"drafts": true}}', "blockdiff.drafts"),
+    ('{"model": "demo", "prompt": "1+1=", "blockdiff": {"threshold": "high"}}', "blockdiff.threshold"),
+    ('{"model": "demo", "prompt": "1+1=", "frequency_penalty": 1}', "frequency_penalty"),
+    ('{"model": "demo", "messages": [{"role": "user", "content": 5}]}', "messages.[0].content"),
+    ('{"model": "demo", "messages": [], "top_logprobs": 2}', "messages"),
+    ('{"model": "demo", "messages": [{"role": "user", "content": "1"}], "top_logprobs": 2}', "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[f"{p}:{b[:40]}" for b, p in BAD])
+def test_bad_requests_are_400_naming_the_field(live, body, param):
+    url, engine = live
+    endpoint = "chat/completions" if '"messages"' in body else "completions"
+    answer = httpx.post(f"{url}/v1/{endpoint}", content=body, headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert engine.queue_depth == engine.running == 0  # nothing was queued
+
+
+# --- the API key, a full queue and deadlines, on an engine that holds every row until it is cancelled -------------
 
 class HeldEngine:
     """A test double of LiveEngine: rows are queued and never decoded; cancel (or close) ends them."""
@@ -322,42 +351,6 @@ def held(demo):
                     api_key=KEY)
     with running(create_app(server)) as url:
         yield url, engine
-
-
-BAD = [  # (body, param) -> 400 naming param
-    ('{"model": "demo", "prompt": "1+1="', None),  # not JSON
-    ('[1, 2]', None),  # not an object
-    ('{"model": "other", "prompt": "1+1="}', "model"),
-    ('{"model": "demo", "prompt": "1+1=", "max_tokens": 60}', "max_tokens"),
-    ('{"model": "demo", "prompt": "1+1=", "max_tokens": "8"}', "max_tokens"),
-    ('{"model": "demo", "prompt": "1+1=", "n": 0}', "n"),
-    ('{"model": "demo", "prompt": "1+1=", "n": 5}', "n"),  # more rows than the queue holds
-    ('{"model": "demo", "prompt": "1+1=", "temperature": 2.5}', "temperature"),
-    ('{"model": "demo", "prompt": "1+1=", "top_p": 0}', "top_p"),
-    ('{"model": "demo", "prompt": [5, 48]}', "prompt"),  # outside the vocabulary
-    ('{"model": "demo", "prompt": ""}', "prompt"),
-    ('{"model": "demo", "prompt": "%s"}' % ("1" * 33), "prompt"),  # longer than the server's 32 prompt tokens
-    ('{"model": "demo", "prompt": "1+1=", "logprobs": 2}', "logprobs"),
-    ('{"model": "demo", "prompt": "1+1=", "stop": ""}', "stop"),
-    ('{"model": "demo", "prompt": "1+1=", "blockdiff": {"drafts": true}}', "blockdiff.drafts"),
-    ('{"model": "demo", "prompt": "1+1=", "blockdiff": {"threshold": "high"}}', "blockdiff.threshold"),
-    ('{"model": "demo", "prompt": "1+1=", "frequency_penalty": 1}', "frequency_penalty"),
-    ('{"model": "demo", "messages": [{"role": "user", "content": 5}]}', "messages.[0].content"),
-    ('{"model": "demo", "messages": [], "top_logprobs": 2}', "messages"),
-    ('{"model": "demo", "messages": [{"role": "user", "content": "1"}], "top_logprobs": 2}', "top_logprobs"),
-]
-
-
-@pytest.mark.parametrize("body,param", BAD, ids=[f"{p}:{b[:40]}" for b, p in BAD])
-def test_bad_requests_are_400_naming_the_field(held, body, param):
-    url, engine = held
-    endpoint = "chat/completions" if '"messages"' in body else "completions"
-    answer = httpx.post(f"{url}/v1/{endpoint}", content=body, headers={"content-type": "application/json",
-                                                                      "authorization": f"Bearer {KEY}"})
-    assert answer.status_code == 400, answer.text
-    error = answer.json()["error"]
-    assert (error["type"], error["param"]) == ("invalid_request_error", param)
-    assert engine.rows == []  # nothing reached the engine
 
 
 def test_api_key_queue_and_timeouts(held):

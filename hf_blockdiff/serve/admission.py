@@ -1,6 +1,7 @@
 """From a validated request to the engine's rows, or a 400 naming the field (docs/architecture.md, "Server"): the model
-name, the prompt's tokens (the vocabulary, the server's prompt capacity), the output length (the server's capacity and
-the model's positions), the seeds of the n rows. Nothing reaches the engine before all of it holds."""
+name, the prompt's tokens, the output length (the server's most, its default), the seeds of the n rows. What the
+engine's `submit` refuses (a prompt outside the vocabulary or longer than the server takes, a threshold the strategy
+does not take) is a 400 naming the request field the engine's message names; nothing is queued then."""
 
 from __future__ import annotations
 
@@ -15,11 +16,10 @@ from .schemas import ChatCompletionRequest, CompletionRequest, Sampling
 @dataclass(frozen=True)
 class Limits:
     """What the server's LiveEngine holds: its longest prompt and most new tokens (together within the model's
-    positions), and the model's vocabulary."""
+    positions)."""
 
     max_prompt_tokens: int
     max_new_tokens: int
-    vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,9 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer) -> list[int]:
 
 def admit(request: Sampling, prompt: list[int], model_name: str, limits: Limits) -> Admitted:
     """The rows of `request` (ids of `prompt` already encoded), or an APIError naming the field."""
-    prompt_field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     if request.model != model_name:
         raise APIError(400, f"model: {request.model!r} is not served here; this server serves {model_name!r}",
                        "model", "model_not_found")
-    check_prompt(prompt, prompt_field, limits)
     new_tokens = output_length(request, limits)
     if request.blockdiff.drafts and not request.stream:
         raise APIError(400, "blockdiff.drafts: drafts come in stream chunks; set stream: true", "blockdiff.drafts")
@@ -57,18 +55,6 @@ def admit(request: Sampling, prompt: list[int], model_name: str, limits: Limits)
                         stop_strings=request.stop_strings, drafts=request.blockdiff.drafts)
             for row_seed in row_seeds(seed, request.n)]
     return Admitted(prompt, rows)
-
-
-def check_prompt(prompt: list[int], field: str, limits: Limits) -> None:
-    if not prompt:
-        raise APIError(400, f"{field}: the prompt has no tokens", field)
-    outside = [token for token in prompt if not 0 <= token < limits.vocab_size]
-    if outside:
-        raise APIError(400, f"{field}: token id {outside[0]} is outside the model's vocabulary [0, "
-                       f"{limits.vocab_size})", field)
-    if len(prompt) > limits.max_prompt_tokens:
-        raise APIError(400, f"{field}: the prompt has {len(prompt)} tokens; this server takes at most "
-                       f"{limits.max_prompt_tokens}", field)
 
 
 def output_length(request: Sampling, limits: Limits) -> int:

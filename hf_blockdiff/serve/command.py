@@ -54,7 +54,7 @@ def limits_of(model, config: BlockDiffusionConfig, max_new_tokens_given: bool) -
     positions = getattr(text_config, "max_position_embeddings", None)
     new_tokens = config.max_new_tokens
     if positions is None:
-        return Limits(new_tokens, new_tokens, text_config.vocab_size)
+        return Limits(new_tokens, new_tokens)
     block = decoded_block_size(config, model_profile(model)) or 1
     if not max_new_tokens_given:
         new_tokens = min(new_tokens, max(positions // 2 // block * block, 1))
@@ -62,7 +62,7 @@ def limits_of(model, config: BlockDiffusionConfig, max_new_tokens_given: bool) -
     if prompt_tokens < 1:
         raise ValueError(f"--max-new-tokens {new_tokens} leaves no room for a prompt in the model's {positions} "
                          "positions: lower it")
-    return Limits(prompt_tokens, new_tokens, text_config.vocab_size)
+    return Limits(prompt_tokens, new_tokens)
 
 
 def serve(options: ServeOptions, config: BlockDiffusionConfig) -> None:
