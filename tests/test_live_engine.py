@@ -73,7 +73,7 @@ ROWS = [
     (3, 5, 1, 0, dict(max_new_tokens=8)),
     (14, 7, 2, 1, dict(max_new_tokens=12, temperature=0.9, top_k=5)),
     (6, 3, 1, 0, dict(max_new_tokens=5, temperature=1.3, top_p=0.9, threshold=0.8)),
-    (9, 11, 2, 0, dict(max_new_tokens=10, temperature=1.1, top_p=0.95, top_k=20, threshold=0.4)),
+    (9, 11, 2, 0, dict(max_new_tokens=10, temperature=1.1, top_p=0.95, top_k=20, threshold=0.4, drafts=True)),
     (11, 2, 1, 0, dict(max_new_tokens=7, threshold=0.9)),
 ]
 
@@ -113,6 +113,11 @@ def test_rows_equal_their_offline_calls_whatever_joins_them(model):
         assert collector.tokens == tokens and collector.logprobs == logprobs, (length, seed)
         assert final.finish_reason == ("stop" if STOP in tokens else "length")
         assert all(u.forwards <= final.forwards for u in collector.updates)
+        if row.drafts:  # every step's draft holds the tokens committed so far
+            committed = []
+            for update in collector.updates[:-1]:
+                committed += update.tokens
+                assert len(update.draft) == row.max_new_tokens and update.draft[:len(committed)] == committed
 
 
 def test_cancelled_row_frees_its_slot(model):

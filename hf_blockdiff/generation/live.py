@@ -22,6 +22,7 @@ from .serving import ServingLimits, check_prompt, check_settings
 from .stop_strings import StopStrings
 
 logger = logging.get_logger(__name__)
+IDLE_WAIT_S = 1.0  # an idle engine thread looks again at least this often (a missed notify never stalls it)
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,9 @@ class LiveEngine:
 
     @property
     def slots(self) -> int:
-        return self.limits.slots
+        """Rows decoded at once: max_batch_size, or fewer where the KV-cache budget holds fewer canvases."""
+        loop = self._loop
+        return self.limits.slots if loop is None else loop.state.num_rows
 
     @property
     def forwards(self) -> int:
@@ -222,7 +225,7 @@ class LiveEngine:
                 stopping = self._stopping
                 idle = not incoming and not cancels and not loop.busy and not stopping
                 if idle:
-                    self._cond.wait()
+                    self._cond.wait(IDLE_WAIT_S)
                     continue
             for live in incoming:
                 self._rows[live.row] = live
@@ -242,7 +245,7 @@ class LiveEngine:
         loop = self._loop
         try:
             with model_lock(self.model), self.limits.decoding(self.model):
-                finished, _ = loop.advance()
+                loop.advance()
                 self._forwards = loop.engine.scheduler.num_forwards
         except Exception as error:
             logger.exception("a live engine step failed: its running rows end with an error")
@@ -256,7 +259,7 @@ class LiveEngine:
         loop = self._loop
         if loop is None:
             return
-        for slot, row in enumerate(loop.running):
+        for row in loop.running:
             if row is not None:
                 self._rows.pop(row).end("error", error)
         loop.restart()
