@@ -87,8 +87,8 @@ def test_rows_equal_their_offline_calls_whatever_joins_them(model):
                 for _, seed, samples, sample, given in ROWS]
     collectors = [Collector() for _ in ROWS]
     engine = LiveEngine(model, CFG, max_batch_size=3, max_prompt_tokens=16, max_new_tokens=12)
-    for i in range(3):
-        engine.submit(prompts[i].tolist(), settings[i], collectors[i])
+    for i in range(3):  # the first two as samples of one request: they share the prompt's prefix pages
+        engine.submit(prompts[i].tolist(), settings[i], collectors[i], group="request" if i < 2 else None)
     engine.start()
 
     def late(i):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 from transformers.utils import logging
@@ -127,9 +127,11 @@ class LiveEngine:
 
     # -- the callers' side -------------------------------------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], settings: RowSettings,
-               on_update: Callable[[RowUpdate], None]) -> RowHandle:
-        """Thread-safe; bad settings or prompt → ValueError naming the field, raised here, nothing queued."""
+    def submit(self, prompt: Sequence[int], settings: RowSettings, on_update: Callable[[RowUpdate], None],
+               group: Hashable | None = None) -> RowHandle:
+        """Thread-safe; bad settings or prompt → ValueError naming the field, raised here, nothing queued. Rows
+        submitted with one `group` (the n samples of one request: the same prompt) share the prompt's prefix pages
+        while they decode together, as offline samples do."""
         ids = check_prompt(prompt, self.limits)
         slot_settings = check_settings(settings, self.limits)
         if not callable(on_update):
@@ -140,8 +142,9 @@ class LiveEngine:
                 raise RuntimeError("LiveEngine is closed: submit rows before close().")
             self._count += 1
             live = _LiveRow(None, on_update)
-            live.row = Row(ids, settings.seed, slot_settings, ("live", self._count), self._count, live.finish,
-                           live.progress, settings.drafts, stops)
+            shares = ("row", self._count) if group is None else ("group", group)
+            live.row = Row(ids, settings.seed, slot_settings, shares, self._count, live.finish, live.progress,
+                           settings.drafts, stops)
             self._incoming.append(live)
             self._cond.notify_all()
         return RowHandle(self, live)
