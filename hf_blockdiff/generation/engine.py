@@ -157,7 +157,8 @@ class Engine:
     def start_call(self) -> None:
         """Every slot idle and every page free (but the prefix store's): a call, or the live engine, starts."""
         self.scheduler.start_call()
-        self.pages.start_call(weights_fingerprint(self.executor.model) if self.cfg.runtime.prefix_cache_tokens else None)
+        stored = self.cfg.runtime.prefix_cache_tokens
+        self.pages.start_call(weights_fingerprint(self.executor.model) if stored else None)
 
     def generate(self, prompts: list[torch.Tensor], seeds: torch.Tensor, stream=None,
                  groups: list[int] | None = None, stop_strings: StopStrings | None = None) -> Results:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 from transformers.utils import logging
@@ -22,6 +22,7 @@ from .serving import ServingLimits, check_prompt, check_settings
 from .stop_strings import StopStrings
 
 logger = logging.get_logger(__name__)
+IDLE_WAIT_S = 1.0  # an idle engine thread looks again at least this often (a missed notify never stalls it)
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,11 @@ class LiveEngine:
 
     # -- the callers' side -------------------------------------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], settings: RowSettings,
-               on_update: Callable[[RowUpdate], None]) -> RowHandle:
-        """Thread-safe; bad settings or prompt → ValueError naming the field, raised here, nothing queued."""
+    def submit(self, prompt: Sequence[int], settings: RowSettings, on_update: Callable[[RowUpdate], None],
+               group: Hashable | None = None) -> RowHandle:
+        """Thread-safe; bad settings or prompt → ValueError naming the field, raised here, nothing queued. Rows
+        submitted with one `group` (the n samples of one request: the same prompt) share the prompt's prefix pages
+        while they decode together, as offline samples do."""
         ids = check_prompt(prompt, self.limits)
         slot_settings = check_settings(settings, self.limits)
         if not callable(on_update):
@@ -139,8 +142,9 @@ class LiveEngine:
                 raise RuntimeError("LiveEngine is closed: submit rows before close().")
             self._count += 1
             live = _LiveRow(None, on_update)
-            live.row = Row(ids, settings.seed, slot_settings, ("live", self._count), self._count, live.finish,
-                           live.progress, settings.drafts, stops)
+            shares = ("row", self._count) if group is None else ("group", group)
+            live.row = Row(ids, settings.seed, slot_settings, shares, self._count, live.finish, live.progress,
+                           settings.drafts, stops)
             self._incoming.append(live)
             self._cond.notify_all()
         return RowHandle(self, live)
@@ -181,7 +185,9 @@ class LiveEngine:
 
     @property
     def slots(self) -> int:
-        return self.limits.slots
+        """Rows decoded at once: max_batch_size, or fewer where the KV-cache budget holds fewer canvases."""
+        loop = self._loop
+        return self.limits.slots if loop is None else loop.state.num_rows
 
     @property
     def forwards(self) -> int:
@@ -222,7 +228,7 @@ class LiveEngine:
                 stopping = self._stopping
                 idle = not incoming and not cancels and not loop.busy and not stopping
                 if idle:
-                    self._cond.wait()
+                    self._cond.wait(IDLE_WAIT_S)
                     continue
             for live in incoming:
                 self._rows[live.row] = live
@@ -242,7 +248,7 @@ class LiveEngine:
         loop = self._loop
         try:
             with model_lock(self.model), self.limits.decoding(self.model):
-                finished, _ = loop.advance()
+                loop.advance()
                 self._forwards = loop.engine.scheduler.num_forwards
         except Exception as error:
             logger.exception("a live engine step failed: its running rows end with an error")
@@ -256,7 +262,7 @@ class LiveEngine:
         loop = self._loop
         if loop is None:
             return
-        for slot, row in enumerate(loop.running):
+        for row in loop.running:
             if row is not None:
                 self._rows.pop(row).end("error", error)
         loop.restart()

@@ -68,8 +68,8 @@ class DecodeStep:
 
     def admit(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor,
               settings: list[SlotSettings], admissions: list[Admission]) -> None:
-        """Load `prompts` (with their seeds and settings) into `slots`, prefill what precedes their first decode block (once per shared prefix:
-        rows reusing one copy its tail page and carry), plan their first step."""
+        """Load `prompts` (with their seeds and settings) into `slots`, prefill what precedes their first decode
+        block (once per shared prefix: rows reusing one copy its tail page and carry), plan their first step."""
         scheduler, executor = self.scheduler, self.executor
         scheduler.admit(slots, prompts, seeds, settings)
         computed = torch.tensor([a.slot for a in admissions if not a.reuses], dtype=torch.long, device=slots.device)
