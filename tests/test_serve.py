@@ -320,7 +320,7 @@ class HeldEngine:
     def queue_depth(self):
         return sum(not row.done for row in self.rows)
 
-    def submit(self, prompt, settings, on_update):
+    def submit(self, prompt, settings, on_update, group=None):
         self.rows.append(HeldRow(on_update))
         return self.rows[-1]
 

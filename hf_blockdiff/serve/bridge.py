@@ -9,8 +9,12 @@ final update."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
+
+
+REQUEST_NUMBERS = itertools.count()  # each request's rows are one group: its samples share the prompt's pages
 
 
 class RequestTimeout(Exception):
@@ -25,6 +29,7 @@ class RequestRows:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.handles: list = []
+        self.group = ("request", next(REQUEST_NUMBERS))
         self.running: set[int] = set()
         self.deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -33,7 +38,7 @@ class RequestRows:
         and the error raised."""
         try:
             for index, row in enumerate(settings):
-                self.handles.append(self.engine.submit(prompt, row, self._callback(index)))
+                self.handles.append(self.engine.submit(prompt, row, self._callback(index), group=self.group))
                 self.running.add(index)
         except ValueError:
             self.cancel()

@@ -24,7 +24,8 @@ async def stream_events(rows: RequestRows, fmt: Format, choices: list[ChoiceStat
                         include_usage: bool, timeout: float | None) -> AsyncIterator[bytes]:
     """The events of one streamed request: a chunk per update that adds text, logprobs, a draft or the finish
     reason, in the order the engine committed them. A client that disconnects cancels this generator (Starlette's
-    StreamingResponse), and leaving `with rows` cancels the rows."""
+    StreamingResponse), and leaving `with rows` cancels the rows, before an error event goes out."""
+    refused = None
     with rows:
         try:
             for index in range(len(choices)):
@@ -36,5 +37,7 @@ async def stream_events(rows: RequestRows, fmt: Format, choices: list[ChoiceStat
             if include_usage:
                 yield event(fmt.usage_chunk(choices, prompt_tokens))
         except APIError as error:
-            yield event(error.body())
-        yield DONE
+            refused = error
+    if refused is not None:
+        yield event(refused.body())
+    yield DONE
