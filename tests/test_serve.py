@@ -3,6 +3,7 @@ subprocess for SIGTERM), on the bundled demo model: every answer equals offline 
 prompt, settings and seed, decoded the same way; bad input is a 400 naming the field and reaches no engine."""
 
 import concurrent.futures
+import json
 import os
 import random
 import signal
@@ -244,19 +245,23 @@ def metric(url, name) -> float:
     return 0.0
 
 
-def test_a_cancelled_stream_frees_its_slot(live, demo):
-    """A client that disconnects mid-stream cancels its row; the slot serves the next request."""
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_frees_its_slot(live, demo, stream):
+    """A client that disconnects before its answer (mid-stream, or waiting for a whole response) cancels its row; the
+    slot serves the next request."""
     url, engine = live
     model, _ = demo
     gate = threading.Event()
     hold = model.model.register_forward_pre_hook(lambda *_: gate.wait(30) and None)  # the engine waits at a forward
     cancelled = 'hf_blockdiff_rows_total{finish_reason="cancelled"}'
     before = metric(url, cancelled)
+    body = json.dumps({"model": "demo", "prompt": list(range(4, 30)), "max_tokens": 32, "stream": stream}).encode()
     try:
-        body = {"model": "demo", "prompt": list(range(4, 30)), "max_tokens": 32, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"content-type": "application/json"}):
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as connection:
+            connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                               b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             wait_for(lambda: engine.running + engine.queue_depth == 1)
-    finally:  # the response is closed: the server cancels the row; the engine goes on
+    finally:  # the connection is closed: the server cancels the row; the engine goes on
         gate.set()
         hold.remove()
     wait_for(lambda: metric(url, cancelled) == before + 1 and engine.running == engine.queue_depth == 0)
