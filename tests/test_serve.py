@@ -228,6 +228,10 @@ def test_32_concurrent_clients_each_get_their_offline_answer(live, demo):
         answers = list(pool.map(lambda request: ask(shared, request), mix))
     # the rows shared forwards: the engine ran fewer than their steps
     assert engine.forwards - forwards < metric(url, "hf_blockdiff_row_forwards_total") - row_steps
+    assert metric(url, 'hf_blockdiff_requests_total{endpoint="/v1/chat/completions",status="200"}') >= 8
+    assert metric(url, "hf_blockdiff_tokens_per_forward") > 1 and metric(url, "hf_blockdiff_slots") == engine.slots
+    assert metric(url, "hf_blockdiff_slot_occupancy") == metric(url, "hf_blockdiff_queue_depth") == 0
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     for request, answer in zip(mix, answers):
         stop = (request["stop"],) if request["stop"] else ()
         expected = offline(demo, request["ids"], request["n"], request["seed"], request["max_tokens"], stop,
