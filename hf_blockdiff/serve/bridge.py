@@ -13,7 +13,6 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
 
-
 REQUEST_NUMBERS = itertools.count()  # each request's rows are one group: its samples share the prompt's pages
 
 
@@ -81,5 +80,4 @@ class RequestRows:
     def cancel(self) -> None:
         """Cancel the rows that have not finished (thread-safe in the engine; a finished row ignores it)."""
         for index in self.running:
-            if index < len(self.handles):
-                self.handles[index].cancel()
+            self.handles[index].cancel()

@@ -67,8 +67,8 @@ class Format:
         start = len(state.text.text) - len(piece)
         logprobs = self.logprob_object(update.tokens, update.logprobs, start) if self.logprobs else None
         choice = {"index": index, **self.delta(piece), "finish_reason": state.finish_reason, "logprobs": logprobs}
-        draft = getattr(update, "draft", None)
-        return self._envelope(self.chunk_object, [choice if draft is None else {**choice, "draft": draft}])
+        drafted = choice if update.draft is None else {**choice, "draft": update.draft}
+        return self._envelope(self.chunk_object, [drafted])
 
     def usage_chunk(self, choices: list[ChoiceState], prompt_tokens: int) -> dict:
         """The last chunk with stream_options.include_usage: no choices, the usage."""
