@@ -59,11 +59,11 @@ class ServingLimits:
 
     @contextmanager
     def decoding(self, model):
-        """The model as a call decodes it (eval mode, local tensor-parallel shards), put back after."""
+        """The model as a call decodes it (no autograd, eval mode, local tensor-parallel shards), put back after."""
         was_training = model.training
         model.eval()
         try:
-            with sharded_decoding(model):
+            with torch.no_grad(), sharded_decoding(model):
                 yield
         finally:
             model.train(was_training)
