@@ -244,5 +244,6 @@ def test_a_failing_step_fails_its_rows_and_the_engine_serves_on(model, monkeypat
     final = failed.final()
     assert final.finish_reason == "error" and "injected" in str(final.error)
     assert served.final().finish_reason in ("stop", "length")
+    assert not engine._loop.engine.state.logprob.requires_grad  # steps ran without autograd
     engine.close()
     assert served.tokens == offline(model, [4, 5], RowSettings(max_new_tokens=4, seed=1), 0)[0]  # greedy

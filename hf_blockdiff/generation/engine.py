@@ -119,13 +119,12 @@ class Engine:
 
     def __init__(self, model, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int,
                  backend: AttentionBackend, device: torch.device, pool_tokens: int,
-                 previous: "Engine | None" = None, per_row_sampling: bool = False):
+                 previous: "Engine | None" = None):
         """`previous`: the model's engine before this one; its prefix store (and the cache holding it) carries over
-        when the store's unit is unchanged. `per_row_sampling`: rows sample by their own settings (the live engine;
-        docs/architecture.md, "Serving")."""
+        when the store's unit is unchanged."""
         self.cfg, self.backend = cfg, backend
         store = _kept_store(previous, cfg)
-        self.scheduler = Scheduler(cfg, slots, width, max_blocks, device, per_row_sampling)
+        self.scheduler = Scheduler(cfg, slots, width, max_blocks, device)
         self.state = self.scheduler.state
         graphs = use_graphs(cfg, backend, device, model)
         fusion = fusion_for(cfg, backend, graphs, device, model, slots)
@@ -274,13 +273,12 @@ def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor],
 
 def serving_engine(model, limits) -> Engine:
     """A live engine's own engine (the model's cached one stays as it is): `limits.slots` rows of prompts up to
-    `limits.max_prompt_tokens` tokens and up to the config's max_new_tokens, each sampling by its own settings."""
+    `limits.max_prompt_tokens` tokens and up to the config's max_new_tokens."""
     cfg = limits.cfg
     width, max_blocks = plan_shapes(list(range(1, limits.max_prompt_tokens + 1)), cfg)
     longest = [torch.zeros(limits.max_prompt_tokens, dtype=torch.long)] * limits.slots
     slots, pool_tokens = _cache_plan(model, cfg, longest, width, limits.slots, 1, None, limits.device)
-    return Engine(model, cfg, slots, width, max_blocks, limits.backend, limits.device, pool_tokens,
-                  per_row_sampling=True)
+    return Engine(model, cfg, slots, width, max_blocks, limits.backend, limits.device, pool_tokens)
 
 
 def _cache_plan(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], width: int, slots: int, samples: int,

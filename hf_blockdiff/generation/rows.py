@@ -77,6 +77,7 @@ class RowLoop:
         self.queue: deque[Row] = deque()
         self.running: list[Row | None] = [None] * self.state.num_rows
         self.bound = 0  # steps all submitted rows can take one after another
+        self.sampling = SlotSettings.of(engine.cfg).sampling  # the config's: rows sampling so take the fused path
         engine.start_call()
 
     def restart(self) -> None:
@@ -119,6 +120,8 @@ class RowLoop:
                 raise RuntimeError("No slot can take the next queued row: its canvas needs more KV pages than the "
                                    "cache holds; raise max_cache_tokens.")
             return [], [0] * self.state.num_rows
+        self.engine.scheduler.per_row_sampling = any(self.running[slot].settings.sampling != self.sampling
+                                                     for slot in slots)
         self.engine.step()
         done, nonfinite, decided, draws = self.engine.scheduler.host_view()
         for slot in slots:

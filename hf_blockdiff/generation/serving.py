@@ -59,18 +59,19 @@ class ServingLimits:
 
     @contextmanager
     def decoding(self, model):
-        """The model as a call decodes it (eval mode, local tensor-parallel shards), put back after."""
+        """The model as a call decodes it (no autograd, eval mode, local tensor-parallel shards), put back after."""
         was_training = model.training
         model.eval()
         try:
-            with sharded_decoding(model):
+            with torch.no_grad(), sharded_decoding(model):
                 yield
         finally:
             model.train(was_training)
 
 
 def check_prompt(prompt, limits: ServingLimits) -> torch.Tensor:
-    """The prompt's ids as a LongTensor on the engine's device."""
+    """The prompt's ids as a CPU LongTensor (the engine thread moves it: a CUDA call from a caller's thread could
+    land inside the engine's graph capture)."""
     if isinstance(prompt, torch.Tensor):
         prompt = prompt.tolist()
     if isinstance(prompt, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -80,7 +81,7 @@ def check_prompt(prompt, limits: ServingLimits) -> torch.Tensor:
     if limits.vocab is not None and not all(0 <= t < limits.vocab for t in prompt):
         raise ValueError(f"prompt holds ids outside the model's vocabulary [0, {limits.vocab}): encode it with the "
                          "model's own tokenizer.")
-    return torch.tensor(prompt, dtype=torch.long, device=limits.device)
+    return torch.tensor(prompt, dtype=torch.long)
 
 
 def check_settings(settings, limits: ServingLimits) -> SlotSettings:

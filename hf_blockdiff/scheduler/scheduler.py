@@ -76,11 +76,12 @@ class ScoreRequest:
 
 
 class Scheduler:
-    def __init__(self, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int, device: torch.device,
-                 per_row_sampling: bool = False):
-        """`per_row_sampling`: score each row by its own temperature, top-p and top-k (the general scoring path);
-        otherwise every row samples by the config's (the fused path; docs/architecture.md, "Serving")."""
-        self.cfg, self.per_row_sampling = cfg, per_row_sampling
+    def __init__(self, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int, device: torch.device):
+        self.cfg = cfg
+        # set by the row loop before each step: some row samples by other settings than the config's, so the step
+        # scores each row by its own (the general path) instead of the config's (the fused path; docs/architecture.md,
+        # "Serving")
+        self.per_row_sampling = False
         self.state = state = DecodeState(slots, width, max_blocks, cfg, device)
         self.policy = window_policy(cfg)
         self.strategy = STRATEGIES[cfg.strategy]

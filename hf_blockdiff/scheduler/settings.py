@@ -25,6 +25,12 @@ class SlotSettings:
     def of(cls, cfg: BlockDiffusionConfig) -> "SlotSettings":
         return cls(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.effective_threshold)
 
+    @property
+    def sampling(self) -> tuple[float, int, float]:
+        """(temperature, top-k, top-p) as they act: a greedy row filters nothing."""
+        sampled = self.temperature > 0
+        return (self.temperature, self.top_k if sampled and self.top_k > 0 else 0, self.top_p if sampled else 1.0)
+
 
 def slot_values(settings: list[SlotSettings], device: torch.device) -> dict[str, torch.Tensor]:
     """The state's per-slot tensors of `settings`, named as `DecodeState`'s buffers. Floats are rounded to fp32
