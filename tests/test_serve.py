@@ -437,7 +437,8 @@ def test_sigterm_finishes_the_requests_in_flight_and_stops():
     process = subprocess.Popen(command, env=environment, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: process.poll() is None and reachable(url), 120)
+        wait_for(lambda: reachable(url) or process.poll() is not None, 120)
+        assert process.poll() is None, process.stderr.read()
         body = {"model": "demo", "prompt": "rev abcdefghij=", "max_tokens": 32, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as answer:
             lines = answer.iter_lines()
