@@ -247,3 +247,16 @@ def test_a_failing_step_fails_its_rows_and_the_engine_serves_on(model, monkeypat
     assert not engine._loop.engine.state.logprob.requires_grad  # steps ran without autograd
     engine.close()
     assert served.tokens == offline(model, [4, 5], RowSettings(max_new_tokens=4, seed=1), 0)[0]  # greedy
+
+
+def test_close_without_cancel_finishes_the_running_rows(model):
+    engine = LiveEngine(model, CFG, max_batch_size=1, max_prompt_tokens=8, max_new_tokens=12)
+    running, queued = Collector(), Collector()
+    engine.submit([1, 2, 3], RowSettings(max_new_tokens=6, seed=0, threshold=1.0), running)
+    engine.submit([4, 5], RowSettings(max_new_tokens=4, seed=1), queued)
+    engine.start()
+    while not running.updates:
+        time.sleep(0.01)
+    engine.close(cancel=False, timeout=60)
+    assert running.final().finish_reason in ("stop", "length") and queued.final().finish_reason == "cancelled"
+    assert running.tokens == offline(model, [1, 2, 3], RowSettings(max_new_tokens=6, seed=0, threshold=1.0), 0)[0]

@@ -66,9 +66,9 @@ class RowUpdate:
 class _LiveRow:
     """A submitted row: the loop's `Row`, its callback and whether its final update went out."""
 
-    def __init__(self, row: Row, on_update: Callable[[RowUpdate], None]):
+    def __init__(self, row: Row | None, on_update: Callable[[RowUpdate], None]):
         self.row, self.on_update = row, on_update
-        self.forwards, self.finished, self.cancelled = 0, False, False
+        self.forwards, self.finished = 0, False
 
     def deliver(self, update: RowUpdate) -> None:
         if self.finished:
@@ -195,7 +195,6 @@ class LiveEngine:
 
     def _cancel(self, live: _LiveRow) -> None:
         with self._cond:
-            live.cancelled = True
             self._cancels.append(live)
             self._cond.notify_all()
 
