@@ -181,6 +181,44 @@ def add_generate_parser(commands) -> None:
     gen.set_defaults(run=run_generate)
 
 
+def run_serve(args: argparse.Namespace) -> None:
+    try:
+        from .serve.command import ServeOptions, serve
+    except ImportError as error:
+        raise ValueError(f"hf-blockdiff serve needs the serve extra ({error}): pip install 'hf-blockdiff[serve]'") \
+            from None
+    options = ServeOptions(args.model, model_path(args.model), args.host, args.port, args.max_batch_size,
+                           args.max_queue, args.api_key, args.request_timeout, args.tensor_parallel_size,
+                           args.device, args.dtype, args.max_new_tokens is not None)
+    serve(options, config_from_args(args))
+
+
+def add_serve_parser(commands) -> None:
+    parser = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
+                                 "/v1/chat/completions) batching requests live (needs `pip install "
+                                 "'hf-blockdiff[serve]'`)")
+    parser.add_argument("--model", required=True, help=f"checkpoint directory, or a bundled model "
+                        f"({', '.join(BUNDLED_MODELS)}); clients send this name as `model` (required)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--max-batch-size", type=int, default=16, metavar="N",
+                        help="slots: rows decoded together (default: %(default)s)")
+    parser.add_argument("--max-queue", type=int, default=256, metavar="N",
+                        help="rows that may wait for a slot; beyond, requests get 429 (default: %(default)s)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="clients must send `Authorization: Bearer KEY` to /v1 (default: none needed)")
+    parser.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                        help="seconds a request may take before its rows are cancelled; also how long SIGTERM lets "
+                        "requests in flight finish (default: %(default)s)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="only 1 for now: the live engine decodes in one process (default: %(default)s)")
+    parser.add_argument("--device", help="default: the GPU if there is one, else cpu")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help=f"dtype of the weights: {', '.join(DTYPES)} (default: %(default)s)")
+    add_config_flags(parser)
+    parser.set_defaults(run=run_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-blockdiff", description="Block-diffusion decoding inside transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -188,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(commands)
     warmup.add_parser(commands)
     demo.add_parsers(commands)
+    add_serve_parser(commands)
     evaluate = commands.add_parser("lm-eval", add_help=False, help="lm-evaluation-harness with the hf-blockdiff "
                                    "model registered; lm_eval's arguments follow (needs `pip install lm-eval`)")
     evaluate.set_defaults(run=run_lm_eval)

@@ -9,22 +9,12 @@ its merged weights.
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
 
 from .generation import generate_multi_block
+from .generation.lock import model_lock
 from .weights.lora import over_adapters
 
 STOCK_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM")
-_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its lock (copies of it get their own)
-_LOCKS_GUARD = threading.Lock()
-
-
-def model_lock(model) -> threading.RLock:
-    """The lock of the weights `model` decodes with (a PEFT model and its base model share it)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with _LOCKS_GUARD:
-        return _LOCKS.setdefault(base, threading.RLock())
 
 
 def serialized(generate):

@@ -238,3 +238,42 @@ def test_flash_backend_equals_triton_bf16_tiny(graphs):
         outputs = [generate(model, prompts, attention_backend=backend, cuda_graphs=graphs, compile=False, **mode)
                    for backend in ("triton", "flash_attn")]
         assert torch.equal(outputs[0].sequences, outputs[1].sequences), mode
+
+
+@pytest.mark.parametrize("run", [dict(cuda_graphs=True), dict(cuda_graphs=True, compile=True)])
+def test_live_engine_rows_equal_offline_under_graphs(run):
+    """The live engine on CUDA (graphs, optionally compiled layers and bookkeeping): rows of mixed lengths and
+    sampling settings joining at different times give the tokens of their own offline calls (fp32 tiny model)."""
+    import threading
+
+    from hf_blockdiff.generation.live import LiveEngine, RowSettings, row_seeds
+
+    model = tiny_model("qwen3", seed=1).to(CUDA)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)
+    cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, attention="block_causal", threshold=0.6,
+                               strategy="low_confidence_dynamic", eos_token_id=[], attention_backend="triton", **run)
+    rows = [(3, dict(max_new_tokens=8)), (14, dict(max_new_tokens=16, temperature=0.9, top_k=5)),
+            (6, dict(max_new_tokens=5, temperature=1.3, top_p=0.9, threshold=0.8)), (9, dict(max_new_tokens=12,
+            temperature=2.0)), (11, dict(max_new_tokens=16, threshold=0.9)), (5, dict(max_new_tokens=16))]
+    prompts = random_prompts([length for length, _ in rows], seed=4)
+    engine = LiveEngine(model, cfg, max_batch_size=3, max_prompt_tokens=16, max_new_tokens=16)
+    served, done = [[] for _ in rows], [threading.Event() for _ in rows]
+
+    def collect(i):
+        def on_update(update):
+            served[i].extend(update.tokens)
+            if update.finish_reason is not None:
+                done[i].set()
+        return on_update
+
+    engine.start()
+    for i, (prompt, (_, given)) in enumerate(zip(prompts, rows)):
+        engine.submit(prompt.tolist(), RowSettings(seed=row_seeds(i, 1)[0], **given), collect(i))
+    assert all(event.wait(120) for event in done)
+    engine.close()
+    for i, (prompt, (_, given)) in enumerate(zip(prompts, rows)):
+        sampling = {k: v for k, v in given.items() if k != "max_new_tokens"}
+        out = model.generate_multi_block(prompt[None].to(CUDA), cfg, max_new_tokens=given["max_new_tokens"],
+                                         generator=torch.Generator().manual_seed(i), **sampling)
+        assert served[i] == out[0, len(prompt):].tolist(), i

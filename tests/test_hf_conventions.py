@@ -116,7 +116,7 @@ def test_call_arguments_of_a_generation_config_reach_the_call(demo):
     assert out.shape == (3, ids.shape[1] + 4)  # the keyword wins
 
 
-def test_max_length_and_stop_strings_are_refused_by_name_and_tokenizer_is_ignored(demo):
+def test_max_length_is_refused_by_name_and_stop_strings_stop_the_pipeline(demo):
     model, tokenizer = demo
     ids = prompt_ids(tokenizer)
     for config, keywords in ((None, {"max_length": 20}), (GenerationConfig(max_length=20), {})):
@@ -124,8 +124,8 @@ def test_max_length_and_stop_strings_are_refused_by_name_and_tokenizer_is_ignore
             model.generate_multi_block(ids, config, **keywords)
     assert model.generate_multi_block(ids, max_new_tokens=4, tokenizer=tokenizer).shape == (1, ids.shape[1] + 4)
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
-    with pytest.raises(ValueError, match=r"stop_strings=\['7'\] is not supported"):
-        pipe("37+50=", max_new_tokens=8, stop_sequence="7")
+    assert pipe("37+50=", max_new_tokens=8)[0]["generated_text"] == "37+50=87"
+    assert pipe("37+50=", max_new_tokens=8, stop_strings=["8"], tokenizer=tokenizer)[0]["generated_text"] == "37+50=8"
 
 
 def test_the_checkpoints_generation_config_decides_sampling(sdar_chat, monkeypatch):

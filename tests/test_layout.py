@@ -38,14 +38,14 @@ def test_tools_and_integrations_import(module):
 
 
 def test_the_library_imports_no_tool():
-    """Importing the package (and its public callback) loads nothing from tools/ and only the callback's own
-    integrations."""
-    code = ("import sys, hf_blockdiff; hf_blockdiff.BlockDiffusionEvalCallback; "
-            "print(' '.join(m for m in sys.modules if m.startswith(('hf_blockdiff.tools', 'hf_blockdiff.integrations'))))")
+    """Importing the package (and its public callback) loads nothing from tools/ or the server (nor the server's
+    stack) and only the callback's own integrations."""
+    code = ("import sys, hf_blockdiff; hf_blockdiff.BlockDiffusionEvalCallback; print(' '.join(m for m in sys.modules "
+            "if m.startswith(('hf_blockdiff.tools', 'hf_blockdiff.integrations', 'hf_blockdiff.serve', 'fastapi'))))")
     root = Path(hf_blockdiff.__file__).parents[1]
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=root).stdout.split()
-    assert not [m for m in loaded if m.startswith("hf_blockdiff.tools")]
+    assert not [m for m in loaded if m.startswith(("hf_blockdiff.tools", "hf_blockdiff.serve", "fastapi"))]
     assert set(loaded) <= {f"hf_blockdiff.integrations{s}" for s in ("", ".callbacks", ".compile_cache", ".distributed",
                                                                   ".completions")}
 

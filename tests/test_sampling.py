@@ -4,7 +4,7 @@ import torch
 
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.kernels.scoring import top_p_filter
-from hf_blockdiff.strategies.scoring import SamplingParams, score_logits
+from hf_blockdiff.strategies.scoring import RowSampling, SamplingParams, score_logits
 
 from helpers import MASK, left_pad, random_prompts
 
@@ -99,3 +99,24 @@ def test_streamer_gets_committed_tokens_in_order(qwen3):
     streamed = [t for chunk in recorder.chunks[1:] for t in chunk]
     assert streamed == out[0, len(prompt):].tolist()
     assert len(recorder.chunks) > 2
+
+
+def test_per_row_settings_score_each_row_as_its_own_settings_would():
+    """The per-row path (the live engine's) gives every row the bits the scalar path gives it alone with its own
+    temperature, top-k and top-p, greedy rows included, in every confidence mode."""
+    generator = torch.Generator().manual_seed(0)
+    settings = [(0.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8), (1.1, 12, 0.9), (0.0, 7, 0.5),
+                (2.0, 1, 1.0), (0.3, 200, 0.95)]
+    logits = torch.randn(len(settings), 96, generator=generator) * 3
+    seed, counter = torch.arange(len(settings)) * 7 + 1, torch.arange(len(settings)) + 100
+    for confidence in ("filtered", "unfiltered", "raw"):
+        rows = RowSampling(*(torch.tensor(values, dtype=dtype) for values, dtype in zip(
+            ([1 / t if t > 0 else 0.0 for t, _, _ in settings], [k if t > 0 else 0 for t, k, _ in settings],
+             [1 - p if t > 0 else 0.0 for t, _, p in settings]), (torch.float64, torch.long, torch.float64))))
+        rows.inverse_temperature, rows.top_p_drop = rows.inverse_temperature.float(), rows.top_p_drop.float()
+        batch = score_logits(logits, SamplingParams(MASK, confidence=confidence), seed, counter, rows=rows)
+        for row, (temperature, top_k, top_p) in enumerate(settings):
+            alone = score_logits(logits[row:row + 1], SamplingParams(MASK, temperature, top_k, top_p, confidence),
+                                 seed[row:row + 1], counter[row:row + 1])
+            for name in ("proposal", "confidence", "entropy", "margin", "logprob"):
+                assert torch.equal(getattr(batch, name)[row:row + 1], getattr(alone, name)), (row, name, confidence)

@@ -5,6 +5,7 @@ import torch
 
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.scheduler import Scheduler, geometry, window_policy
+from hf_blockdiff.scheduler.settings import SlotSettings
 from hf_blockdiff.scheduler.windows import (BlockCausal, DualCache, Editing, FullRecompute, MultiBlock,
                                             PrefixCache, StoreForward, SubBlocks)
 from hf_blockdiff.strategies.scoring import Scores
@@ -37,7 +38,7 @@ def decode(cfg, prompts, scores=made_up_scores, max_steps=100):
     state = scheduler.state
     scheduler.start_call()
     slots = torch.arange(len(prompts))
-    scheduler.admit(slots, prompts, torch.arange(len(prompts)))
+    scheduler.admit(slots, prompts, torch.arange(len(prompts)), [SlotSettings.of(cfg)] * len(prompts))
     scheduler.prepare(torch.ones(len(prompts), dtype=torch.bool))
     log = []
     for _ in range(max_steps):

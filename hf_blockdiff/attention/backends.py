@@ -55,13 +55,18 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+KEY_GRANULE = 64
+
+
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     graph_safe = False  # the dense key range is sized on the host
 
     def plan(self, cache, rows, positions, valid, q_limit):
         plan = super().plan(cache, rows, positions, valid, q_limit)
-        key_length = max(int(q_limit.max()), 1)
+        # whole multiples of KEY_GRANULE: CPU kernels reduce a vector's tail by other code, so a key range sized to
+        # the batch would make a row's attention depend on the rows beside it (docs/architecture.md, "Serving")
+        key_length = -(-max(int(q_limit.max()), 1) // KEY_GRANULE) * KEY_GRANULE
         key_positions = torch.arange(key_length, device=q_limit.device).expand(len(rows), key_length)
         plan.read_slots = cache.slots(rows, key_positions, key_positions < q_limit.max(dim=1, keepdim=True).values)
         return plan

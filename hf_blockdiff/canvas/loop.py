@@ -20,7 +20,8 @@ import torch
 from ..attention import AttentionBackend
 from ..cache import PagedBlockCache
 from .schedule import CanvasRules, CanvasState, CounterNoise, TorchOrderNoise
-from ..generation.engine import Results, nonfinite_error
+from ..generation.engine import Results
+from ..generation.rows import nonfinite_error
 from ..generation.graphs import capturing, compile_ahead
 
 

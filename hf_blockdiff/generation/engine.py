@@ -9,6 +9,7 @@ buffers and any captured CUDA graphs are reused; `hf_blockdiff.free_cache(model)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -24,12 +25,15 @@ from ..kernels.rng import fmix32
 from ..weights.quantization import traceable
 from ..weights.tensor_parallel import kv_head_shards
 from ..scheduler import Scheduler, geometry, window_policy
+from ..scheduler.settings import SlotSettings
 from .executor import ModelExecutor
 from ..fusion.mode import fusion_for
 from .graphs import StepGraphs
-from .pages import PageAssigner
+from .pages import Admission, PageAssigner
 from .prefix_store import PrefixStore, weights_fingerprint
+from .rows import Row, RowLoop, RowOutput
 from .step import DecodeStep
+from .stop_strings import StopStrings
 
 logger = logging.get_logger(__name__)
 
@@ -47,6 +51,22 @@ class Results:
     steps: torch.Tensor  # [N] decoding steps of each prompt (forwards that decided its tokens)
     committed: torch.Tensor  # [N] tokens committed for each prompt (those after its stop token included)
     edits: torch.Tensor  # [N] decided tokens replaced by editing (LLaDA2.1)
+
+    @classmethod
+    def empty(cls, prompts: int, new: int, pad: int, device: torch.device) -> "Results":
+        def full(*shape, fill=0, dtype=torch.long):
+            return torch.full(shape, fill, dtype=dtype, device=device)
+
+        return cls(full(prompts, new, fill=pad), full(prompts, new, fill=-1), full(prompts, new, dtype=torch.float32),
+                   full(prompts, new, dtype=torch.float32), 0, full(prompts), full(prompts), full(prompts))
+
+    def put(self, prompt: int, output: RowOutput) -> None:
+        width = len(output.tokens)
+        self.tokens[prompt, :width] = output.tokens
+        self.commit_step[prompt, :width] = output.commit_step
+        self.logprobs[prompt, :width] = output.logprobs
+        self.entropies[prompt, :width] = output.entropies
+        self.steps[prompt], self.committed[prompt], self.edits[prompt] = output.steps, output.committed, output.edits
 
 
 def request_seeds(count: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -134,49 +154,31 @@ class Engine:
         return (dataclasses.replace(cfg, runtime=batch) == self.cfg and backend.name == self.backend.name
                 and self.state.fits(slots, width, max_blocks))
 
-    def generate(self, prompts: list[torch.Tensor], seeds: torch.Tensor, stream=None,
-                 groups: list[int] | None = None) -> Results:
-        """Decode `prompts`; requests of one group (samples of one prompt) share the prompt's prefix K/V."""
-        cfg, state = self.cfg, self.state
-        device, new = state.canvas.device, cfg.max_new_tokens
-        results = Results(
-            tokens=torch.full((len(prompts), new), cfg.pad_token_id, dtype=torch.long, device=device),
-            commit_step=torch.full((len(prompts), new), -1, dtype=torch.long, device=device),
-            logprobs=torch.zeros(len(prompts), new, device=device),
-            entropies=torch.zeros(len(prompts), new, device=device),
-            num_forwards=0,
-            steps=torch.zeros(len(prompts), dtype=torch.long, device=device),
-            committed=torch.zeros(len(prompts), dtype=torch.long, device=device),
-            edits=torch.zeros(len(prompts), dtype=torch.long, device=device),
-        )
-        owner = [-1] * state.num_rows  # prompt index held by each slot
-        queue = list(range(len(prompts)))
-        first, row_end, _ = geometry(torch.tensor([len(p) for p in prompts]), cfg)
-        requests = _Requests(prompts, seeds, list(range(len(prompts))) if groups is None else groups, first.tolist(),
-                             row_end.tolist())
+    def start_call(self) -> None:
+        """Every slot idle and every page free (but the prefix store's): a call, or the live engine, starts."""
         self.scheduler.start_call()
-        self.pages.start_call(weights_fingerprint(self.executor.model) if cfg.runtime.prefix_cache_tokens else None)
-        with _Progress(len(prompts), new) as progress:
-            self._admit(list(range(state.num_rows)), queue, owner, requests)
-            for _ in range(step_bound([len(p) for p in prompts], cfg)):
-                if all(request < 0 for request in owner):
+        stored = self.cfg.runtime.prefix_cache_tokens
+        self.pages.start_call(weights_fingerprint(self.executor.model) if stored else None)
+
+    def generate(self, prompts: list[torch.Tensor], seeds: torch.Tensor, stream=None,
+                 groups: list[int] | None = None, stop_strings: StopStrings | None = None) -> Results:
+        """Decode `prompts` (the rows of one offline call, each by the config's settings); requests of one group
+        (samples of one prompt) share the prompt's prefix K/V; `stream` follows row 0."""
+        cfg, loop = self.cfg, RowLoop(self)
+        results = Results.empty(len(prompts), cfg.max_new_tokens, cfg.pad_token_id, self.state.canvas.device)
+        settings = SlotSettings.of(cfg)
+        for index, prompt in enumerate(prompts):
+            listens = stream is not None and index == 0
+            loop.submit(Row(prompt, int(seeds[index]), settings, index if groups is None else groups[index], index,
+                            functools.partial(results.put, index), stream.put_progress if listens else None,
+                            listens and stream.wants_drafts, stop_strings))
+        with _Progress(len(prompts), cfg.max_new_tokens) as progress:
+            for _ in range(loop.bound + 1):
+                if not loop.busy:
                     break
-                self.step()
-                ends = self.scheduler.output_end() if stream is not None else None
-                if stream is not None:
-                    stream.step(state, ends)
-                done, nonfinite, decided = self.scheduler.host_view()
-                _check_finite(nonfinite, owner)
-                finished = [slot for slot in range(state.num_rows) if done[slot] and owner[slot] >= 0]
-                if finished and ends is None:
-                    ends = self.scheduler.output_end()
-                for slot in finished:
-                    self._harvest(slot, owner[slot], results, ends)
-                    self.pages.release(slot)
-                    owner[slot] = -1
-                progress.show(finished, decided, owner)
-                self._admit([slot for slot in range(state.num_rows) if owner[slot] < 0], queue, owner, requests)
-        if queue or any(request >= 0 for request in owner):
+                finished, decided = loop.advance()
+                progress.show(finished, decided, [-1 if row is None else row.index for row in loop.running])
+        if loop.busy:
             raise RuntimeError("generate_multi_block did not finish within the steps its blocks can take: please "
                                "report this with the config and the prompt lengths.")
         if stream is not None:
@@ -184,44 +186,39 @@ class Engine:
         results.num_forwards = self.scheduler.num_forwards
         return results
 
-    def _admit(self, slots: list[int], queue: list[int], owner: list[int], requests: "_Requests") -> None:
-        """Queued requests into free `slots`, in order, while the pool has their pages."""
-        admissions = []
-        for slot in slots:
-            if not queue:
-                break
-            request = queue[0]
-            admission = self.pages.admit(slot, request, requests.groups[request], requests.row_end[request],
-                                         requests.prompts[request], requests.prefix[request])
-            if admission is None:
-                break
-            admissions.append(admission)
-            owner[slot] = queue.pop(0)
-        if not admissions:
-            return
+    def admit(self, admissions: list[Admission], rows: list[Row]) -> None:
+        """Load `rows` into their admissions' slots (prefill included) and keep their prefixes in the store."""
         index = torch.tensor([a.slot for a in admissions], device=self.state.canvas.device)
-        taken = [a.request for a in admissions]
-        prompts = [requests.prompts[r] for r in taken]
-        self.decode_step.admit(index, prompts, requests.seeds[taken], admissions)
-        self.pages.remember(admissions, prompts, [requests.prefix[r] for r in taken])
+        prompts = [row.prompt for row in rows]
+        self.decode_step.admit(index, prompts, torch.tensor([row.seed for row in rows]),
+                               [row.settings for row in rows], admissions)
+        self.pages.remember(admissions, prompts, [row.prefix for row in rows])
 
-    def _harvest(self, slot: int, request: int, results: Results, stops: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def retire(self, slot: int) -> None:
+        """`slot` decodes no further (cancelled, or stopped by a stop string)."""
+        self.scheduler.retire(slot)
+
+    def row_output(self, slot: int, stops: tuple[torch.Tensor, torch.Tensor], row: Row) -> RowOutput:
+        """The finished `row`'s output from `slot`: its generated positions, pad after its stop token (the first of
+        `stops`), after the token completing a stop string and where nothing was decided."""
         state, cfg = self.state, self.cfg
-        index = state.prompt_len[slot] + torch.arange(cfg.max_new_tokens, device=state.canvas.device)
+        new = row.settings.max_new_tokens
+        index = state.prompt_len[slot] + torch.arange(new, device=state.canvas.device)
         tokens = state.canvas[slot, index]
         first, has_stop = stops
-        dropped = (has_stop[slot] & (index > first[slot])) | (tokens == cfg.mask_token_id)
+        cut = index >= state.prompt_len[slot] + (new if row.stop_at is None else row.stop_at)
+        dropped = (has_stop[slot] & (index > first[slot])) | (tokens == cfg.mask_token_id) | cut
         if not cfg.eos_fill:  # with the fill, what follows the stop token is the stop token already
             tokens = tokens.masked_fill(dropped, cfg.pad_token_id)
+        tokens = tokens.masked_fill(cut, cfg.pad_token_id)
         commit_step = state.commit_step[slot, index].masked_fill(dropped, -1)
         kept = commit_step >= 0
-        results.tokens[request] = tokens
-        results.commit_step[request] = commit_step
-        results.logprobs[request] = state.logprob[slot, index].masked_fill(~kept, 0.0)
-        results.entropies[request] = state.entropy[slot, index].masked_fill(~kept, 0.0)
-        results.steps[request] = state.draws[slot]
-        results.committed[request] = (state.commit_step[slot, : state.width] >= 0).sum()
-        results.edits[request] = state.edits[slot]
+        length, committed, edits = torch.stack([kept.long().cumprod(0).sum(),
+                                                (state.commit_step[slot, : state.width] >= 0).sum(),
+                                                state.edits[slot]]).tolist()
+        return RowOutput(tokens, commit_step, state.logprob[slot, index].masked_fill(~kept, 0.0),
+                         state.entropy[slot, index].masked_fill(~kept, 0.0), int(state.draws[slot]), committed,
+                         edits, length, bool(has_stop[slot]) or row.stop_at is not None)
 
 
 def _kept_store(previous: Engine | None, cfg: BlockDiffusionConfig) -> PrefixStore | None:
@@ -233,28 +230,6 @@ def _kept_store(previous: Engine | None, cfg: BlockDiffusionConfig) -> PrefixSto
         return None
     store.resize(cfg.runtime.prefix_cache_tokens)
     return store
-
-
-@dataclass
-class _Requests:
-    """The prompts of a call, their seeds, groups (samples of one prompt), prefix lengths and canvas ends."""
-
-    prompts: list[torch.Tensor]
-    seeds: torch.Tensor
-    groups: list[int]
-    prefix: list[int]
-    row_end: list[int]
-
-
-def step_bound(prompt_lengths: list[int], cfg: BlockDiffusionConfig) -> int:
-    """More steps than the prompts can take one after another: a block takes at most max(B, S) forced steps (each
-    commits a token, or advances a schedule that asks for none), plus a store forward and a block-start forward,
-    and with editing at most max_post_steps + 1 more (an editing block takes at most S + max_post_steps steps).
-    Reaching it means a bug, never a slow decode: the call fails instead of hanging."""
-    _, _, num_blocks = geometry(torch.tensor(prompt_lengths), cfg)
-    refinement = 0 if cfg.editing_threshold is None else cfg.max_post_steps + 1
-    per_block = max(cfg.block_size, cfg.steps_per_block) + 2 + refinement
-    return int(num_blocks.sum()) * per_block + 2 * len(prompt_lengths) + 1
 
 
 class _Progress:
@@ -276,21 +251,6 @@ class _Progress:
 
     def __exit__(self, *exc) -> None:
         self.bar.close()
-
-
-def nonfinite_error(prompt: int, where: str) -> FloatingPointError:
-    """The error that stops a call whose logits of `prompt` came out inf or nan (`where`: at which forward)."""
-    return FloatingPointError(
-        f"The logits of prompt {prompt} (row {prompt} of input_ids) were inf or nan {where}: the model's hidden "
-        "states overflowed or hold NaN (fp16? load it in bfloat16 or float32); the call was stopped."
-    )
-
-
-def _check_finite(nonfinite: list[int], owner: list[int]) -> None:
-    bad = [(owner[slot], forward) for slot, forward in enumerate(nonfinite) if forward >= 0 and owner[slot] >= 0]
-    if bad:
-        prompt, forward = bad[0]
-        raise nonfinite_error(prompt, f"at forward {forward}")
 
 
 def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor],
@@ -319,6 +279,16 @@ def kept_engine(model, fits: Callable[[Any], bool], build: Callable[[], Any]):
     model._blockdiff_engine = engine = None  # the old buffers go (unless `build` holds them) before new ones come
     model._blockdiff_engine = build()
     return model._blockdiff_engine
+
+
+def serving_engine(model, limits) -> Engine:
+    """A live engine's own engine (the model's cached one stays as it is): `limits.slots` rows of prompts up to
+    `limits.max_prompt_tokens` tokens and up to the config's max_new_tokens."""
+    cfg = limits.cfg
+    width, max_blocks = plan_shapes(list(range(1, limits.max_prompt_tokens + 1)), cfg)
+    longest = [torch.zeros(limits.max_prompt_tokens, dtype=torch.long)] * limits.slots
+    slots, pool_tokens = _cache_plan(model, cfg, longest, width, limits.slots, 1, None, limits.device)
+    return Engine(model, cfg, slots, width, max_blocks, limits.backend, limits.device, pool_tokens)
 
 
 def _cache_plan(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], width: int, slots: int, samples: int,

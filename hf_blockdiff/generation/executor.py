@@ -18,6 +18,9 @@ from ..strategies.scoring import SamplingParams, Scores, logit_salience, penaliz
 from ..fusion.mode import decoding_mode, few_tokens
 
 
+HEAD_ROWS = 8
+
+
 class ModelExecutor:
     def __init__(self, model, cfg: BlockDiffusionConfig, backend: AttentionBackend, fusion: str, rows: int,
                  width: int, device: torch.device, pool_tokens: int, cache: PagedBlockCache | None = None):
@@ -73,7 +76,8 @@ class ModelExecutor:
         logits = self.logits(None if request.canvas is None else request.canvas[rows], conditional, unconditional)
         if request.preceding is not None:
             logits = penalize_preceding(logits, request.preceding, self.cfg.edit_penalty)
-        scores = score_logits(logits, self.sampling, request.seeds, request.counters, request.temperature)
+        scores = score_logits(logits, self.sampling, request.seeds, request.counters, request.temperature,
+                              request.sampling)
         if request.needs_salience:
             scores.salience = logit_salience(logits)
         return scores
@@ -88,15 +92,23 @@ class ModelExecutor:
         entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
         return token, logp.gather(1, token[:, None]).squeeze(1), entropy
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on rows padded to a multiple of `HEAD_ROWS`: a CPU GEMM computes the last `rows mod 4`
+        rows by another kernel, so without it a row's logits would depend on how many rows share the step
+        (docs/architecture.md, "Serving")."""
+        rows = len(hidden)
+        padded = torch.nn.functional.pad(hidden, (0, 0, 0, -rows % HEAD_ROWS))
+        return self.lm_head(padded)[:rows]
+
     def logits(self, context: torch.Tensor | None, hidden: torch.Tensor,
                hidden_uncond: torch.Tensor | None) -> torch.Tensor:
         """LM head on gathered hidden states, then guidance and the logits processors ([n, V]; the model's dtype
         unless a processor needs float32: the fused scoring reads bf16 logits as they are). `context`: the rows'
         canvases, read by the repetition penalty and the processors."""
         cfg = self.cfg
-        logits = self.lm_head(hidden)
+        logits = self.head(hidden)
         if hidden_uncond is not None:
-            uncond = self.lm_head(hidden_uncond).float()
+            uncond = self.head(hidden_uncond).float()
             logits = uncond + (cfg.cfg_scale + 1) * (logits.float() - uncond)
         if cfg.repetition_penalty != 1.0:
             logits = logits.float()

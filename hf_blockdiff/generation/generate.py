@@ -14,10 +14,11 @@ from ..config.checks import check_block_config
 from ..config.profiles import model_profile
 from ..weights.quantization import check_quantization
 from ..weights.tensor_parallel import check_tensor_parallel, sharded_decoding
-from ..scheduler import DecodeState
 from .engine import Results, engine_for, request_seeds
 from .hf_conventions import call_arguments, merged_config
 from .inputs import check_call, check_lengths, prompts_of
+from .rows import RowProgress
+from .stop_strings import StopStrings
 
 
 @dataclass
@@ -68,7 +69,9 @@ def generate_multi_block(
     the samples sharing their prompt's K/V pages (docs/architecture.md, "The cache"). PEFT: the active LoRA adapters
     are merged for the call and the base weights restored bit-exactly; `adapters=[name, ...]` decodes once per
     adapter and returns the outputs in that order. `streamer` (batch 1): `put`/`end` as transformers streamers,
-    `put_draft` each step if it has one. `generator`: a torch.Generator (None: torch's default). Bad input, an empty
+    `put_draft` each step if it has one. `stop_strings` (with `tokenizer=`), as transformers': a row stops once the
+    decoded text of its committed tokens holds one, and what follows the token completing it is pad.
+    `generator`: a torch.Generator (None: torch's default). Bad input, an empty
     batch included, is refused before any forward (docs/architecture.md, "Errors")."""
     call = call_arguments(config, kwargs)
     config = merged_config(self, config, kwargs)
@@ -83,6 +86,7 @@ def generate_multi_block(
     check_quantization(self)
     check_tensor_parallel(self)
     backend = resolve_backend(cfg.runtime.attention_backend, device, cfg.block_size, cfg.runtime.page_size)
+    stops = None if call["stop_strings"] is None else StopStrings(call["stop_strings"], call["tokenizer"])
     stream = _TokenStream(streamer, input_ids, cfg) if streamer is not None else None
     groups = [group for group in range(len(prompts)) for _ in range(samples)]
     prompts = [prompts[group] for group in groups]
@@ -92,7 +96,7 @@ def generate_multi_block(
     try:
         with sharded_decoding(self):
             engine = engine_for(self, cfg, prompts, backend, device, samples)
-            results = engine.generate(prompts, seeds, stream, groups)
+            results = engine.generate(prompts, seeds, stream, groups, stops)
     finally:
         self.train(was_training)
     sequences = torch.cat([input_ids.repeat_interleave(samples, 0), results.tokens], dim=1)
@@ -126,34 +130,17 @@ class _TokenStream:
     def __init__(self, streamer, input_ids: torch.Tensor, cfg: BlockDiffusionConfig):
         if input_ids.shape[0] != 1:
             raise ValueError("streamer needs a batch of one prompt.")
-        self.streamer, self.cfg, self.sent = streamer, cfg, 0
+        self.streamer, self.mask = streamer, cfg.mask_token_id
         self.put_draft = getattr(streamer, "put_draft", None)
+        self.wants_drafts = self.put_draft is not None
         streamer.put(input_ids[0].cpu())
 
-    def step(self, state: DecodeState, output_end: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """After a step: `output_end` is the scheduler's (last output position, has one) per slot."""
-        start = int(state.prompt_len[0])
-        row = state.canvas[0, start : start + self.cfg.max_new_tokens]
-        undecided = row == self.cfg.mask_token_id
+    def put_progress(self, progress: RowProgress) -> None:
+        """After a step: the row's draft, then its newly committed tokens."""
         if self.put_draft is not None:
-            self.put_draft(row.to("cpu", copy=True), ~undecided.cpu())  # copies: the canvas keeps changing
-        ready = int(undecided.int().argmax()) if bool(undecided.any()) else len(row)
-        if self.cfg.editing_threshold is not None:  # a decided token may still be edited until its block completes
-            ready = min(ready, _complete_prefix(state) - start)
-        end, has_end = output_end
-        if bool(has_end[0]):
-            ready = min(ready, int(end[0]) - start + 1)
-        if ready > self.sent:
-            self.streamer.put(row[self.sent : ready].to("cpu", copy=True))
-            self.sent = ready
+            self.put_draft(progress.draft, progress.draft != self.mask)
+        if progress.tokens:
+            self.streamer.put(torch.tensor(progress.tokens))
 
     def end(self) -> None:
         self.streamer.end()
-
-
-def _complete_prefix(state: DecodeState) -> int:
-    """Canvas end of row 0's leading complete decode blocks (complete: no mask left and no longer refining)."""
-    incomplete = ~state.status().complete[0]
-    if not bool(incomplete.any()):
-        return state.canvas.shape[1]
-    return int(state.first_block_start[0]) + int(incomplete.int().argmax()) * state.block_size

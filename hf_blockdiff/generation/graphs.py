@@ -113,7 +113,7 @@ class StepGraphs:
         bound = scheduler.chunk_bound()
         small = bound is not None and state.num_rows * bound * scheduler.chunk <= SMALL_FORWARD_TOKENS
         self.chain_capacity = state.num_rows * bound if small else None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def step(self) -> None:
@@ -123,7 +123,8 @@ class StepGraphs:
         else:
             total = int(self.scheduler.chunk_total)
             capacity, steps = next(b for b in self.buckets if b >= total), 1
-        graph = self.graphs.get(capacity)
+        key = (capacity, self.scheduler.per_row_sampling)  # the two scoring paths are two programs
+        graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
             return
@@ -138,4 +139,4 @@ class StepGraphs:
             with capturing(graph, pool=self.pool):
                 for _ in range(steps):
                     self.decode_step(capacity, self.logit_capacity)
-            self.graphs[capacity] = graph
+            self.graphs[key] = graph

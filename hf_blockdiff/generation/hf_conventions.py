@@ -18,8 +18,9 @@ from ..config.runtime import RUNTIME_FIELDS
 logger = logging.get_logger(__name__)
 
 CALL_ARGUMENTS = ("attention_mask", "streamer", "generator", "return_dict", "num_return_sequences", "adapters",
-                  "return_dict_in_generate", "tokenizer")
-CONFIG_CALL_ARGUMENTS = ("num_return_sequences", "return_dict_in_generate")  # call arguments a GenerationConfig sets
+                  "return_dict_in_generate", "tokenizer", "stop_strings")
+# call arguments a GenerationConfig sets
+CONFIG_CALL_ARGUMENTS = ("num_return_sequences", "return_dict_in_generate", "stop_strings")
 CHECKPOINT_FIELDS = ("max_new_tokens", "repetition_penalty")  # taken from the checkpoint whether or not it samples
 SAMPLING = ("temperature", "top_k", "top_p")
 IGNORED = ("bos_token_id", "transformers_version", "_from_model_config", "use_cache")
@@ -28,8 +29,7 @@ IGNORED = ("bos_token_id", "transformers_version", "_from_model_config", "use_ca
 GENERATE_ARGUMENTS = ("synced_gpus", "assistant_model", "assistant_tokenizer", "prefix_allowed_tokens_fn",
                       "stopping_criteria", "negative_prompt_ids", "negative_prompt_attention_mask",
                       "use_model_defaults", "custom_generate", "disable_compile")
-REFUSED = dict(max_length="pass max_new_tokens (block diffusion generates a fixed number of new tokens)",
-               stop_strings="block diffusion stops at token ids only: pass eos_token_id, or cut the decoded text")
+REFUSED = dict(max_length="pass max_new_tokens (block diffusion generates a fixed number of new tokens)")
 FIELDS = (*(field.name for field in dataclasses.fields(BlockDiffusionConfig)), *RUNTIME_FIELDS)  # runtime's flat
 GENERATION_DEFAULTS = GenerationConfig()
 
@@ -78,15 +78,15 @@ def checkpoint_fields(model, sampling: bool) -> dict:
 
 
 def call_arguments(config, kwargs: dict) -> dict:
-    """num_return_sequences and return_dict (return_dict_in_generate) set by a GenerationConfig `config` or by
-    keywords (which win), taken out of `kwargs`; a `tokenizer` keyword (pipelines pass it with stop strings) is
-    dropped."""
-    kwargs.pop("tokenizer", None)
+    """num_return_sequences, return_dict (return_dict_in_generate) and stop_strings set by a GenerationConfig
+    `config` or by keywords (which win), and the `tokenizer` keyword (stop strings need it), taken out of
+    `kwargs`."""
     given = config.to_diff_dict() if isinstance(config, GenerationConfig) else {}
     call = {name: given[name] for name in CONFIG_CALL_ARGUMENTS if name in given}
     call.update({name: kwargs.pop(name) for name in CONFIG_CALL_ARGUMENTS if name in kwargs})
     return {"num_return_sequences": call.get("num_return_sequences", 1),
-            "return_dict": bool(call.get("return_dict_in_generate"))}
+            "return_dict": bool(call.get("return_dict_in_generate")), "stop_strings": call.get("stop_strings"),
+            "tokenizer": kwargs.pop("tokenizer", None)}
 
 
 def split_call(config, kwargs: dict) -> tuple[BlockDiffusionConfig | None, dict, dict]:

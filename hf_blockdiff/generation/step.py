@@ -23,6 +23,7 @@ import functools
 import torch
 
 from ..scheduler import Decision, ForwardLayout, Scheduler, Stored
+from ..scheduler.settings import SlotSettings
 from .executor import ModelExecutor
 from .pages import Admission
 
@@ -66,11 +67,11 @@ class DecodeStep:
         self.conclude(request, status, scores)
 
     def admit(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor,
-              admissions: list[Admission]) -> None:
-        """Load `prompts` into `slots`, prefill what precedes their first decode block (once per shared prefix:
-        rows reusing one copy its tail page and carry), plan their first step."""
+              settings: list[SlotSettings], admissions: list[Admission]) -> None:
+        """Load `prompts` (with their seeds and settings) into `slots`, prefill what precedes their first decode
+        block (once per shared prefix: rows reusing one copy its tail page and carry), plan their first step."""
         scheduler, executor = self.scheduler, self.executor
-        scheduler.admit(slots, prompts, seeds)
+        scheduler.admit(slots, prompts, seeds, settings)
         computed = torch.tensor([a.slot for a in admissions if not a.reuses], dtype=torch.long, device=slots.device)
         start = torch.zeros_like(scheduler.state.first_block_start)
         start[slots] = torch.tensor([a.start for a in admissions], dtype=start.dtype, device=start.device)

@@ -29,9 +29,22 @@ def top_k_filter(z, top_k):
 def top_p_filter(z: torch.Tensor, top_p: float) -> torch.Tensor:
     """transformers' TopPLogitsWarper: keep the smallest set of most likely tokens whose probability reaches
     `top_p`, and always the most likely one."""
+    return top_p_rows(z, torch.full(z.shape[:1], 1 - top_p, dtype=z.dtype, device=z.device))
+
+
+def top_k_rows(z, top_k):
+    """`top_k_filter` with each row's own k ([N]; ≤ 0 keeps the row whole): the k-th largest value of a row is
+    the one `topk` gives, so a row filters as `top_k_filter` would filter it alone."""
+    ordered = z.sort(dim=1, descending=True).values
+    kth = ordered.gather(1, (top_k.clamp(1, z.shape[1]) - 1)[:, None])
+    return z.masked_fill((z < kth) & (top_k > 0)[:, None], float("-inf"))
+
+
+def top_p_rows(z, top_p_drop):
+    """`top_p_filter` with each row's own 1 - top_p ([N], the mass it drops; 0 keeps the row whole)."""
     sorted_z, order = torch.sort(z, dim=-1, descending=False)
     cumulative = torch.softmax(sorted_z, dim=-1).cumsum(-1)
-    drop_sorted = cumulative <= 1 - top_p
+    drop_sorted = (cumulative <= top_p_drop[:, None].to(cumulative.dtype)) & (top_p_drop > 0)[:, None]
     drop_sorted[:, -1] = False
     drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
     return z.masked_fill(drop, float("-inf"))

@@ -16,9 +16,10 @@ import torch
 
 from ..config import BlockDiffusionConfig
 from ..kernels.rng import uniform_noise
-from ..strategies.scoring import Scores
+from ..strategies.scoring import RowSampling, Scores
 from ..strategies import STRATEGIES, BlockScores, StrategyParams
 from .chunks import Chunks, plan_chunks
+from .settings import SlotSettings
 from .state import BlockStatus, DecodeState, Decision
 from .windows import StoreDecision, Stored, window_policy
 
@@ -68,6 +69,7 @@ class ScoreRequest:
     seeds: torch.Tensor  # [n]
     counters: torch.Tensor  # [n]
     temperature: torch.Tensor | None  # [n] per-position temperatures, or None for the config's one
+    sampling: RowSampling | None  # per-row sampling settings (an engine of per-row sampling), else the config's
     canvas: torch.Tensor | None  # [R, width + 1] decided canvases, for the repetition penalty and logits processors
     needs_salience: bool
     preceding: torch.Tensor | None = None  # [n] the edit penalty's token: the one before in the block (-1: none)
@@ -76,6 +78,10 @@ class ScoreRequest:
 class Scheduler:
     def __init__(self, cfg: BlockDiffusionConfig, slots: int, width: int, max_blocks: int, device: torch.device):
         self.cfg = cfg
+        # set by the row loop before each step: some row samples by other settings than the config's, so the step
+        # scores each row by its own (the general path) instead of the config's (the fused path; docs/architecture.md,
+        # "Serving")
+        self.per_row_sampling = False
         self.state = state = DecodeState(slots, width, max_blocks, cfg, device)
         self.policy = window_policy(cfg)
         self.strategy = STRATEGIES[cfg.strategy]
@@ -113,8 +119,9 @@ class Scheduler:
     def start_call(self) -> None:
         self.state.start_call()
 
-    def admit(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor) -> None:
-        self.state.load(slots, prompts, seeds)
+    def admit(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor,
+              settings: list[SlotSettings]) -> None:
+        self.state.load(slots, prompts, seeds, settings)
 
     def prefill_layout(self, slots: torch.Tensor, chunk_size: int, computed: torch.Tensor | None = None,
                        start: torch.Tensor | None = None) -> tuple[ForwardLayout | None, Stored] | None:
@@ -196,8 +203,11 @@ class Scheduler:
         if self.cfg.edit_penalty:
             before = state.canvas[rows, (positions - 1).clamp(0, state.width)]
             preceding = torch.where(offsets > 0, before, -1)
+        sampling = None
+        if self.per_row_sampling:
+            sampling = RowSampling(state.inverse_temperature[rows], state.top_k[rows], state.top_p_drop[rows])
         return ScoreRequest(active, pick, flat[pick], rows, positions, state.seed[rows],
-                            self.counter(rows, positions), temperature, self.context(),
+                            self.counter(rows, positions), temperature, sampling, self.context(),
                             "salience" in self.strategy.needs, preceding)
 
     def context(self) -> torch.Tensor | None:
@@ -267,6 +277,8 @@ class Scheduler:
             step=state.forced_steps[rows, blocks].view(-1),
             proposal=grid(scores.proposal, -1).view(-1, width),
             slot_blocks=blocks.shape[1],
+            threshold=state.threshold[rows].view(-1, 1),
+            log_threshold=state.log_threshold[rows].view(-1, 1),
         )
         needs = self.strategy.needs
         positions = active.positions.clamp(max=state.width)
@@ -349,10 +361,31 @@ class Scheduler:
         count = torch.zeros_like(self.state.added).index_put_((request.rows,), bad.long(), accumulate=True)
         self.state.mark_nonfinite(count > 0)
 
-    def host_view(self) -> tuple[list[bool], list[int], list[int]]:
-        """In one read: each slot's done flag, the forward of its first non-finite scores (-1: none) and how many of
-        its generated positions are decided."""
+    def host_view(self) -> tuple[list[bool], list[int], list[int], list[int]]:
+        """In one read: each slot's done flag, the forward of its first non-finite scores (-1: none), how many of
+        its generated positions are decided and its decoding steps."""
         state = self.state
         decided = ((state.commit_step >= 0) & state.generated()).sum(-1)
-        done, nonfinite, decided = torch.stack([state.done.long(), state.nonfinite, decided]).tolist()
-        return [bool(flag) for flag in done], nonfinite, decided
+        done, nonfinite, decided, draws = torch.stack([state.done.long(), state.nonfinite, decided,
+                                                       state.draws]).tolist()
+        return [bool(flag) for flag in done], nonfinite, decided, draws
+
+    def committed_end(self) -> torch.Tensor:
+        """[R] canvas end of each slot's committed output: its generated tokens decided with all before them (with
+        editing, only those of complete blocks, which no edit changes any more), up to its stop token."""
+        state = self.state
+        undecided = state.generated() & (state.canvas == self.cfg.mask_token_id)
+        end = torch.where(undecided.any(-1), undecided.int().argmax(-1), state.prompt_len + state.max_new)
+        if self.cfg.editing_threshold is not None:
+            incomplete = ~state.status().complete
+            block_end = state.first_block_start + incomplete.int().argmax(-1) * state.block_size
+            end = torch.where(incomplete.any(-1), torch.minimum(end, block_end), end)
+        stop, has_stop = self.output_end()
+        return torch.where(has_stop, torch.minimum(end, stop + 1), end)
+
+    def retire(self, slot: int) -> None:
+        """`slot` decodes no further (cancelled, or stopped on the host): done, with nothing planned."""
+        retired = torch.zeros_like(self.state.done)
+        retired[slot] = True
+        self.state.finish(retired)
+        self.prepare(retired)

@@ -18,16 +18,19 @@ from dataclasses import dataclass
 import torch
 
 from ..config import BlockDiffusionConfig
+from .settings import SlotSettings, slot_values
 
 
-def geometry(prompt_len: torch.Tensor, cfg: BlockDiffusionConfig):
-    """(first_block_start, row_end, num_blocks) of prompts of these lengths."""
-    size, new = cfg.block_size, cfg.max_new_tokens
+def geometry(prompt_len: torch.Tensor, cfg: BlockDiffusionConfig, new: torch.Tensor | None = None):
+    """(first_block_start, row_end, num_blocks) of prompts of these lengths generating `new` tokens each (None: the
+    config's max_new_tokens)."""
+    size = cfg.block_size
+    new = torch.full_like(prompt_len, cfg.max_new_tokens) if new is None else new
     if cfg.alignment == "absolute":
         first = prompt_len // size * size
         num_blocks = (prompt_len + new - first + size - 1) // size
         return first, first + num_blocks * size, num_blocks
-    return prompt_len, prompt_len + new, torch.full_like(prompt_len, (new + size - 1) // size)
+    return prompt_len, prompt_len + new, (new + size - 1) // size
 
 
 @dataclass
@@ -83,6 +86,10 @@ class DecodeState:
         self.entropy = zeros(rows, width + 1, dtype=torch.float32)
         self.added, self.stored, self.draws = zeros(rows), zeros(rows), zeros(rows)  # draws: decoding steps
         self.seed = zeros(rows)  # each slot's sampling seed: its noise depends on nothing else
+        # each slot's own settings (scheduler/settings.py): its length, sampling and strategy threshold
+        self.max_new, self.top_k = zeros(rows), zeros(rows)
+        self.inverse_temperature, self.top_p_drop, self.threshold, self.log_threshold = (
+            zeros(rows, dtype=torch.float32) for _ in range(4))
         self.full = zeros(rows, max_blocks, dtype=torch.bool)
         self.forced_steps = zeros(rows, max_blocks)
         self.refining = zeros(rows, max_blocks, dtype=torch.bool)  # editing: filled blocks that keep refining
@@ -106,10 +113,13 @@ class DecodeState:
     def fits(self, rows: int, width: int, max_blocks: int) -> bool:
         return rows == self.num_rows and width <= self.width and max_blocks <= len(self.block_index)
 
-    def load(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor) -> None:
-        """Put `prompts` into `slots`: fresh canvases and counters, and the prompts' sampling seeds."""
+    def load(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds: torch.Tensor,
+             settings: list[SlotSettings]) -> None:
+        """Put `prompts` into `slots`: fresh canvases and counters, the prompts' sampling seeds and settings."""
+        for name, values in slot_values(settings, slots.device).items():
+            getattr(self, name)[slots] = values
         lengths = torch.tensor([len(p) for p in prompts], device=slots.device)
-        first, row_end, num_blocks = geometry(lengths, self.cfg)
+        first, row_end, num_blocks = geometry(lengths, self.cfg, self.max_new[slots])
         self.prompt_len[slots], self.first_block_start[slots] = lengths, first
         self.row_end[slots], self.num_blocks[slots] = row_end, num_blocks
         positions = torch.arange(self.width + 1, device=slots.device)
@@ -270,9 +280,9 @@ class DecodeState:
         return torch.where(positions < self.row_end[:, None], self.canvas, self.cfg.mask_token_id)
 
     def generated(self) -> torch.Tensor:
-        """[R, width + 1] bool: inside the slot's first `max_new_tokens` generated positions."""
+        """[R, width + 1] bool: inside the slot's generated positions (its own `max_new_tokens`)."""
         positions = torch.arange(self.width + 1, device=self.canvas.device)
-        return (positions >= self.prompt_len[:, None]) & (positions < (self.prompt_len + self.cfg.max_new_tokens)[:, None])
+        return (positions >= self.prompt_len[:, None]) & (positions < (self.prompt_len + self.max_new)[:, None])
 
     def repeat_end(self, run: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Canvas position where each slot's first run of `run` equal tokens ends, among its generated tokens decided

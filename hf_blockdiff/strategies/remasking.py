@@ -36,6 +36,8 @@ class BlockScores:
     editable: torch.Tensor | None = None  # [NB, L] bool: decided positions an edit may replace (editing only)
     current: torch.Tensor | None = None  # [NB, L] long: the canvas's tokens there
     final: torch.Tensor | None = None  # [NB] bool: the block's last allowed step (editing only)
+    threshold: torch.Tensor | None = None  # [NB, 1] each row's own threshold (per-row settings); None: the params'
+    log_threshold: torch.Tensor | None = None  # [NB, 1] its log, for dynamic_pmax
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class Strategy:
     strict: bool = True  # default comparison with the threshold
     needs: frozenset = frozenset()  # optional BlockScores fields it reads
     forced_top1: bool = False  # forced blocks take their best candidate when none passes (forced_token_scope)
+    thresholded: bool = False  # reads the threshold (a row's own threshold means something only then)
 
 
 STRATEGIES: dict[str, Strategy] = {}
@@ -126,8 +129,17 @@ def _position_key(s: BlockScores) -> torch.Tensor:
     return _positions(s.masked).to(torch.float32).expand(s.masked.shape)
 
 
-def _above(value: torch.Tensor, threshold: float, strict: bool) -> torch.Tensor:
+def _above(value: torch.Tensor, threshold: float | torch.Tensor, strict: bool) -> torch.Tensor:
     return value > threshold if strict else value >= threshold
+
+
+def _threshold(s: BlockScores, p: StrategyParams) -> float | torch.Tensor:
+    """The threshold of each row: its own where the scheduler gives them (fp32, as the params' float compares)."""
+    return p.threshold if s.threshold is None else s.threshold
+
+
+def _log_threshold(s: BlockScores, p: StrategyParams) -> float | torch.Tensor:
+    return p.log_threshold if s.log_threshold is None else s.log_threshold
 
 
 def _forced_only(s: BlockScores, chosen: torch.Tensor) -> torch.Tensor:
@@ -179,14 +191,14 @@ def _top2_margin(s, p):
 
 
 def _low_confidence_dynamic(s, p):
-    passing = s.masked & _above(s.confidence, p.threshold, p.strict)
+    passing = s.masked & _above(s.confidence, _threshold(s, p), p.strict)
     fallback_key = -s.confidence if p.fallback == "topk" else _position_key(s)
     short = s.forced & (passing.sum(-1) < s.scheduled)
     return torch.where(short[:, None], select_smallest(fallback_key, s.masked, s.scheduled), passing)
 
 
 def _confidence_threshold(s, p):
-    passing = s.masked & _above(s.confidence, p.threshold, p.strict)
+    passing = s.masked & _above(s.confidence, _threshold(s, p), p.strict)
     return passing | _forced_only(s, select_smallest(-s.confidence, s.masked, 1))
 
 
@@ -203,7 +215,7 @@ def _confidence_factor(s, p):
 
 
 def _entropy_threshold(s, p):
-    passing = s.masked & (s.entropy < p.threshold if p.strict else s.entropy <= p.threshold)
+    passing = s.masked & (s.entropy < _threshold(s, p) if p.strict else s.entropy <= _threshold(s, p))
     return _with_forced_top1(s, p, passing, s.entropy)
 
 
@@ -214,14 +226,14 @@ def _entropy_bounded(s, p):
 
 def _dynamic_pmax(s, p):
     chosen, _ = prefix_of_sorted(
-        -s.confidence, s.masked, lambda neg_c: torch.log(-neg_c).cumsum(-1) >= p.log_threshold
+        -s.confidence, s.masked, lambda neg_c: torch.log(-neg_c).cumsum(-1) >= _log_threshold(s, p)
     )
     return _with_forced_top1(s, p, chosen, -s.confidence)
 
 
 def _causal_waterfall(s, p):
     """The longest run of masked positions, from the first one, whose confidences all pass."""
-    passing = ~s.masked | _above(s.confidence, p.threshold, p.strict)
+    passing = ~s.masked | _above(s.confidence, _threshold(s, p), p.strict)
     run = s.masked & passing.long().cumprod(-1).bool()
     return _with_forced_top1(s, p, run, _position_key(s))
 
@@ -233,12 +245,12 @@ def _relative_top(s, p):
 
 
 def _consensus_commit(s, p):
-    agree = (s.proposal == s.previous) & _above(s.confidence, p.threshold, p.strict)
+    agree = (s.proposal == s.previous) & _above(s.confidence, _threshold(s, p), p.strict)
     return _with_forced_top1(s, p, s.masked & agree, -s.confidence)
 
 
 def _logit_salience(s, p):
-    passing = s.masked & _above(s.salience, p.threshold, p.strict)
+    passing = s.masked & _above(s.salience, _threshold(s, p), p.strict)
     return _with_forced_top1(s, p, passing, -s.salience)
 
 
@@ -264,7 +276,7 @@ def _dream(score: Callable[[BlockScores], torch.Tensor]):
 
 def _register_all() -> None:
     """Every strategy by name; their rules and where they come from: docs/architecture.md, "Scoring and strategies"."""
-    entropy_range, top1 = (0.0, INF), dict(forced_top1=True)
+    entropy_range, top1, gated = (0.0, INF), dict(forced_top1=True), dict(thresholded=True)
     for strategy in (
         Strategy("sequential", _sequential),
         Strategy("anti_sequential", _anti_sequential),
@@ -272,17 +284,18 @@ def _register_all() -> None:
         Strategy("random", _random, needs=frozenset({"noise"})),
         Strategy("least_entropy", _least_entropy),
         Strategy("top2_margin", _top2_margin),
-        Strategy("low_confidence_dynamic", _low_confidence_dynamic),
-        Strategy("confidence_threshold", _confidence_threshold, strict=False),
+        Strategy("low_confidence_dynamic", _low_confidence_dynamic, **gated),
+        Strategy("confidence_threshold", _confidence_threshold, strict=False, **gated),
         Strategy("confidence_factor", _confidence_factor),
-        Strategy("entropy_threshold", _entropy_threshold, default_threshold=0.5, threshold_range=entropy_range, **top1),
+        Strategy("entropy_threshold", _entropy_threshold, default_threshold=0.5, threshold_range=entropy_range,
+                 **top1, **gated),
         Strategy("entropy_bounded", _entropy_bounded, **top1),
-        Strategy("dynamic_pmax", _dynamic_pmax, strict=False, **top1),
-        Strategy("causal_waterfall", _causal_waterfall, **top1),
+        Strategy("dynamic_pmax", _dynamic_pmax, strict=False, **top1, **gated),
+        Strategy("causal_waterfall", _causal_waterfall, **top1, **gated),
         Strategy("relative_top", _relative_top, **top1),
-        Strategy("consensus_commit", _consensus_commit, needs=frozenset({"previous"}), **top1),
+        Strategy("consensus_commit", _consensus_commit, needs=frozenset({"previous"}), **top1, **gated),
         Strategy("logit_salience", _logit_salience, default_threshold=8.0, threshold_range=entropy_range,
-                 needs=frozenset({"salience"}), **top1),
+                 needs=frozenset({"salience"}), **top1, **gated),
         Strategy("maskgit_plus", _dream(lambda s: s.confidence)),
         Strategy("topk_margin", _dream(lambda s: s.margin)),
         Strategy("entropy", _dream(lambda s: -s.entropy)),

@@ -15,7 +15,7 @@ import torch
 from ..kernels import TRITON_AVAILABLE
 from ..kernels.canvas_scoring import FUSED_PROBS_DTYPES, canvas_score_reference, canvas_score_triton
 from ..kernels.scoring import (distribution_scores, gumbel_argmax, inverse_temperature, score_reference, score_triton,
-                              top_k_filter, top_p_filter)
+                              top_k_filter, top_k_rows, top_p_filter, top_p_rows)
 
 
 @dataclass
@@ -42,6 +42,15 @@ def penalize_preceding(logits: torch.Tensor, preceding: torch.Tensor, penalty: f
     return logits.scatter_add(1, preceding.clamp(min=0)[:, None], amount)
 
 
+@dataclass
+class RowSampling:
+    """Per scored position, its row's own sampling settings ([n] tensors; docs/architecture.md, "Serving")."""
+
+    inverse_temperature: torch.Tensor  # fl32(1 / T), 1 / T computed in float64 as `inverse_temperature`; 0: greedy
+    top_k: torch.Tensor  # ≤ 0: no top-k (greedy rows have none)
+    top_p_drop: torch.Tensor  # fl32(1 - top_p), the probability mass top-p drops; 0: no top-p (nor for greedy rows)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     mask_token_id: int
@@ -58,9 +67,13 @@ def score_logits(
     seed: torch.Tensor,
     counter: torch.Tensor,
     temperature: torch.Tensor | None = None,
+    rows: RowSampling | None = None,
 ) -> Scores:
     """Score [n, V] logits rows. `seed`/`counter` ([n] int64) select each row's sampling noise; `temperature`
-    ([n]) overrides the scalar one per row."""
+    ([n]) overrides the scalar one per row; `rows` replaces the params' temperature, top-k and top-p with each row's
+    own (the general path: a row scores the bits the fused path would give it with the same settings)."""
+    if rows is not None:
+        return _score_rows(logits, params, seed, counter, rows)
     sampling = params.temperature > 0
     simple = temperature is None and params.top_p >= 1.0 and params.confidence == "filtered"
     if simple and params.precision == "float32":
@@ -80,6 +93,23 @@ def score_logits(
     if params.top_p < 1.0:
         drawn = top_p_filter(drawn, params.top_p)
     proposal = gumbel_argmax(drawn, seed, counter)
+    scores = Scores(proposal, *distribution_scores(drawn, proposal))
+    if params.confidence != "filtered":
+        reported = tempered if params.confidence == "unfiltered" else raw
+        scores.confidence, scores.entropy, scores.margin, _ = distribution_scores(reported, proposal)
+    return scores
+
+
+def _score_rows(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, counter: torch.Tensor,
+                rows: RowSampling) -> Scores:
+    """`score_logits` with each row's own settings: greedy rows take the argmax of the raw logits (times 1), the
+    others sample from their tempered, filtered logits, as the scalar path does for each."""
+    raw = logits.to(torch.float64 if params.precision == "float64" else torch.float32).clone()
+    raw[:, params.mask_token_id] = float("-inf")
+    sampled = rows.inverse_temperature > 0
+    tempered = raw * torch.where(sampled, rows.inverse_temperature, 1.0)[:, None]
+    drawn = top_p_rows(top_k_rows(tempered, rows.top_k), rows.top_p_drop)
+    proposal = torch.where(sampled, gumbel_argmax(drawn, seed, counter), drawn.argmax(dim=-1))
     scores = Scores(proposal, *distribution_scores(drawn, proposal))
     if params.confidence != "filtered":
         reported = tempered if params.confidence == "unfiltered" else raw

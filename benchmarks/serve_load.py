@@ -1,0 +1,144 @@
+"""Load on `hf-blockdiff serve`: `python benchmarks/serve_load.py [--shape sdar-4b | --model DIR] [--clients 128]
+[--min-prompt 64] [--max-prompt 512] [--new-tokens 256] [--device cuda] [--dtype bfloat16]` serves the model in this
+process (uvicorn in a thread over a LiveEngine of --clients slots), sends --clients concurrent streamed completions of
+random prompts of mixed lengths (no stop token: every row runs --new-tokens), once to warm up and once timed, then
+decodes the same prompts offline with `generate_multi_block` at batch --clients (also warmed up). Prints a table and
+one JSON line: served and offline tokens/s and their ratio, p50/p99 time to the first committed token and per request.
+Random weights have no tokenizer: the server decodes ids with a stand-in one character per id."""
+
+import argparse
+import asyncio
+import json
+import statistics
+import threading
+import time
+
+import torch
+
+from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.generation.live import LiveEngine
+from hf_blockdiff.integrations.completions import left_padded
+from hf_blockdiff.serve.admission import Limits
+from hf_blockdiff.serve.app import Server, create_app
+from hf_blockdiff.tools.bench_models import build_model
+
+
+class IdTokenizer:
+    """Text for random weights: one character per id (the server's detokenizing at about a real one's cost)."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(0x4E00 + token % 20000) for token in ids)
+
+
+def random_prompts(model, count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
+    text = model.config.get_text_config()
+    top = min(text.vocab_size, getattr(text, "mask_token_id", None) or text.vocab_size) - 1
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (count,), generator=generator).tolist()
+    return [torch.randint(0, top, (n,), generator=generator).tolist() for n in lengths]
+
+
+def serve_in_thread(app):
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+
+async def one_request(client, url: str, prompt: list[int], new_tokens: int) -> dict:
+    body = {"model": "load", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    began, first, tokens = time.perf_counter(), None, 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as answer:
+        answer.raise_for_status()
+        async for line in answer.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if first is None and any(choice.get("text") for choice in chunk["choices"]):
+                first = time.perf_counter() - began
+            tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens
+    return {"ttft_s": first, "seconds": time.perf_counter() - began, "tokens": tokens}
+
+
+async def load(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[list[dict], float]:
+    import httpx
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(prompts)), timeout=None) as client:
+        began = time.perf_counter()
+        results = await asyncio.gather(*(one_request(client, url, p, new_tokens) for p in prompts))
+        return results, time.perf_counter() - began
+
+
+def offline(model, prompts: list[list[int]], cfg: BlockDiffusionConfig) -> tuple[int, float]:
+    ids, mask = left_padded(prompts, 0, model.device)
+    synchronize = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    synchronize()
+    began = time.perf_counter()
+    out = model.generate_multi_block(ids, cfg, attention_mask=mask, return_dict=True)
+    synchronize()
+    return int((out.commit_step >= 0).sum()), time.perf_counter() - began
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, default in (("clients", 128), ("min-prompt", 64), ("max-prompt", 512), ("new-tokens", 256)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--shape", default="sdar-4b")
+    parser.add_argument("--model", default=None, help="a checkpoint directory (default: random weights of --shape)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = parser.parse_args()
+    model = build_model(args.shape, args.model, args.device, getattr(torch, args.dtype))
+    cfg = BlockDiffusionConfig(max_new_tokens=args.new_tokens, eos_token_id=[])
+    prompts = random_prompts(model, args.clients, args.min_prompt, args.max_prompt)
+    engine = LiveEngine(model, cfg, max_batch_size=args.clients, max_prompt_tokens=args.max_prompt,
+                        max_new_tokens=args.new_tokens)
+    limits = Limits(args.max_prompt, args.new_tokens)
+    server, thread, url = serve_in_thread(create_app(Server(engine, IdTokenizer(), "load", limits,
+                                                            max_queue=args.clients, request_timeout=3600)))
+    try:
+        asyncio.run(load(url, prompts, args.new_tokens))  # warm-up: compiles and captures
+        results, served_s = asyncio.run(load(url, prompts, args.new_tokens))
+    finally:
+        server.should_exit = True
+        thread.join()
+    offline(model, prompts, cfg)  # warm-up
+    offline_tokens, offline_s = offline(model, prompts, cfg)
+    report(args, results, served_s, offline_tokens, offline_s)
+
+
+def report(args, results: list[dict], served_s: float, offline_tokens: int, offline_s: float) -> None:
+    served_tok_s = sum(r["tokens"] for r in results) / served_s
+    offline_tok_s = offline_tokens / offline_s
+    ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+    latency = [r["seconds"] for r in results]
+    summary = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+               "shape": args.model or args.shape, "clients": args.clients, "prompt_tokens": [args.min_prompt,
+               args.max_prompt], "new_tokens": args.new_tokens, "served_tok_s": round(served_tok_s, 1),
+               "offline_tok_s": round(offline_tok_s, 1), "served_over_offline": round(served_tok_s / offline_tok_s, 3),
+               "ttft_p50_s": round(statistics.median(ttft), 3), "ttft_p99_s": round(percentile(ttft, 99), 3),
+               "request_p50_s": round(statistics.median(latency), 3),
+               "request_p99_s": round(percentile(latency, 99), 3)}
+    print(f"tokens/s                 served {served_tok_s:.1f}, offline {offline_tok_s:.1f} (served / offline "
+          f"{summary['served_over_offline']:.3f})")
+    print(f"first committed token    p50 {summary['ttft_p50_s']:.3f} s, p99 {summary['ttft_p99_s']:.3f} s")
+    print(f"request                  p50 {summary['request_p50_s']:.3f} s, p99 {summary['request_p99_s']:.3f} s")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
