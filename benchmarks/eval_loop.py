@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
 from hf_blockdiff.generation.hf_conventions import as_given
-from hf_blockdiff.tools.bench_models import SHAPES, build_model
+from hf_blockdiff.tools.bench_models import SHAPES, build_model, prompt_ceiling
 from hf_blockdiff.tools.diffusion_gemma_bench import NEVER_CONFIDENT
 from hf_blockdiff.tools.diffusion_gemma_bench import build as build_diffusion_gemma
 
@@ -65,11 +65,6 @@ def build(spec: str, device: str):
     model = build_model(name, None, device, dtype, layers=layers)
     return model, lambda new, steps: as_given(BlockDiffusionConfig(block_size=4, max_new_tokens=new,
                                                                    eos_token_id=[]))
-
-
-def prompt_ceiling(model) -> int:
-    text = model.config.get_text_config()
-    return min(text.vocab_size, getattr(text, "mask_token_id", None) or text.vocab_size) - 1
 
 
 @contextmanager

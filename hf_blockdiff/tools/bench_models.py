@@ -149,6 +149,14 @@ def _tensor_parallel_model(shape: str, model_path: str | None, device: str, dtyp
     return build_sharded(shape_config(shape, layers), size, device, dtype, expert_parallel=expert_parallel).eval()
 
 
+def prompt_ceiling(model) -> int:
+    """Random prompt ids are drawn below this: under the vocabulary, the mask id and the multimodal placeholders
+    (DiffusionGemma refuses an image token in a text prompt)."""
+    text, names = model.config.get_text_config(), ("image_token_id", "boi_token_id", "eoi_token_id", "audio_token_id")
+    ids = [text.vocab_size, getattr(text, "mask_token_id", None)] + [getattr(model.config, n, None) for n in names]
+    return min(i for i in ids if isinstance(i, int)) - 1
+
+
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
     """A command-line list of batch sizes, "1,32,128"."""
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import accelerate
 import torch
 
+from .bench_models import prompt_ceiling
 from .measure import make_report, measure
 
 # DiffusionGemma 26B-A4B's text sizes as assumed here (no checkpoint is read: check them against the released
@@ -83,9 +84,9 @@ def bench(args, tp_size: int = 0) -> dict:
     model = build(args.shape, args.layers, device, dtype, tp_size, args.expert_parallel)
     device = str(model.device)
     steps, new = args.denoising_steps, args.new_tokens
-    vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, vocab, (args.batch_size, args.prompt_len), generator=generator).to(device)
+    prompts = torch.randint(3, prompt_ceiling(model), (args.batch_size, args.prompt_len), generator=generator)
+    prompts = prompts.to(device)
     cfg = BlockDiffusionConfig(max_new_tokens=new, max_denoising_steps=steps, stop_confidence=NEVER_CONFIDENT,
                                attention_backend=args.attention_backend)
 

@@ -31,3 +31,14 @@ def test_bench_model_is_transformers_model_with_tied_stacks():
             assert abs(param.float().std() - 0.02) < 0.005, name
     ids = torch.randint(3, sizes["vocab_size"], (1, 5))
     assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_random_prompts_stay_below_the_multimodal_placeholders():
+    """DiffusionGemma refuses an image token in a text prompt: the benches draw prompt ids below every placeholder
+    (26B-A4B's image token 258,880 lies inside its 262,144-token vocabulary)."""
+    from hf_blockdiff.tools.bench_models import prompt_ceiling
+
+    model = build("diffusion-gemma-tiny", None, "cpu", torch.float32)
+    assert prompt_ceiling(model) == 95  # the tiny vocabulary (96) sits below its placeholders
+    model.config.boi_token_id = 40
+    assert prompt_ceiling(model) == 39
