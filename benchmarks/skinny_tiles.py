@@ -1,5 +1,5 @@
 """The skinny GEMMs' tile configurations swept at SDAR-8B's projection widths on one CUDA GPU (docs/kernels.md,
-"Skinny GEMMs"; issue 36): one GPU's weights and a TP2 and a TP4 rank's shards (q/k/v grouped and gate/up gated,
+"Kernels and backends"; issue 36): one GPU's weights and a TP2 and a TP4 rank's shards (q/k/v grouped and gate/up gated,
 column-parallel; o and down row-parallel, as linear_residual), at 1, 4, 16, 32 and 64 rows in bf16. For each shape:
 cuBLAS's time (the ops' references: `F.linear` per weight, SiLU and product, residual add), then the kernel's time,
 TB/s and program count in every candidate configuration that fits the device's shared memory, the one the ops choose

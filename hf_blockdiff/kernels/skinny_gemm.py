@@ -63,8 +63,8 @@ def _tiles(n_out: int, width: int, gated: bool, block_m: int) -> tuple[int, int,
     """(BLOCK_N, BLOCK_K, pipeline stages), from an H200 sweep at SDAR-4B's shapes (q/k/v and gate/up 3.0-3.9 TB/s
     at 4-16 rows against cuBLAS's 1.2-3.0, 2.6-3.5 at 32-64): 64 columns for wide outputs, long K steps for long rows,
     short ones when gated (two weight tiles in flight) or at 64 rows (shared memory). Tiles that timed 1.4-1.5x
-    faster alone at tensor-parallel shards' widths made whole decode steps slower (docs/kernels.md, "Skinny GEMMs"),
-    so these stay."""
+    faster alone at tensor-parallel shards' widths made whole decode steps slower (docs/kernels.md, "Kernels and
+    backends"), so these stay."""
     if gated:
         return (32 if block_m == 16 else 64), 128, 3
     block_k = 128 if block_m == 64 else 512 if width >= 4096 else 256

@@ -123,8 +123,8 @@ def test_sdar_4b_keeps_todays_choices_on_h100():
 @pytest.mark.parametrize("model", ["SDAR-8B TP2", "SDAR-8B TP4"])
 def test_tensor_parallel_shards_fit_as_chosen(model):
     """A tensor-parallel rank's shards of SDAR-8B on an H100 or H200 take the one-GPU rule's tiles at their widths
-    (tiles a sweep timed faster alone made whole steps slower: docs/kernels.md, "Skinny GEMMs"), each fitting as
-    chosen."""
+    (tiles a sweep timed faster alone made whole steps slower: docs/kernels.md, "Kernels and backends"), each
+    fitting as chosen."""
     chosen = {key: tuple(config.values()) for key, (config, _) in _skinny_choices(model, 2, H100).items()}
     down = (32, 512, 4) if model == "SDAR-8B TP2" else (32, 256, 4)  # K = 6,144 or 3,072
     assert chosen == {  # (BLOCK_N, BLOCK_K, num_stages)
