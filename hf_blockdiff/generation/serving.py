@@ -12,7 +12,7 @@ import torch
 
 from ..attention import AttentionBackend, resolve_backend
 from ..config import BlockDiffusionConfig
-from ..config.checks import check_block_config
+from ..config.checks import check_block_config, is_int, is_number
 from ..config.profiles import model_profile
 from ..scheduler.settings import SlotSettings
 from ..strategies import STRATEGIES
@@ -121,9 +121,9 @@ def check_settings(settings, limits: ServingLimits) -> SlotSettings:
 
 
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_number(value) and math.isfinite(value)
 
 
 def _integer(name: str, value, low, high, high_name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    if not is_int(value) or not low <= value <= high:
         raise ValueError(f"{name}={value!r}: pass an integer from {low} to {high_name}.")
