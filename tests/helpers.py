@@ -1,5 +1,7 @@
 """Tiny models and prompts shared by the tests."""
 
+import threading
+
 import torch
 from transformers import (
     LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
@@ -75,3 +77,28 @@ def save_checkpoint(path, **config):
     model.save_pretrained(path)
     char_tokenizer().save_pretrained(path)
     return path
+
+
+class Collector:
+    """A row's updates, and an event set by its final one."""
+
+    def __init__(self):
+        self.updates, self.done = [], threading.Event()
+
+    def __call__(self, update):
+        self.updates.append(update)
+        if update.finish_reason is not None:
+            self.done.set()
+
+    @property
+    def tokens(self):
+        return [t for u in self.updates for t in u.tokens]
+
+    @property
+    def logprobs(self):
+        return [x for u in self.updates for x in u.logprobs]
+
+    def final(self, timeout=60):
+        assert self.done.wait(timeout), "the row got no final update"
+        assert [u.finish_reason is not None for u in self.updates].count(True) == 1
+        return self.updates[-1]

@@ -12,7 +12,7 @@ from hf_blockdiff.tools.bench import build_model
 from hf_blockdiff.kernels import flash
 from reference_loops import staircase
 
-from helpers import MASK, left_pad, random_prompts, tiny_model
+from helpers import MASK, Collector, left_pad, random_prompts, tiny_model
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -244,8 +244,6 @@ def test_flash_backend_equals_triton_bf16_tiny(graphs):
 def test_live_engine_rows_equal_offline_under_graphs(run):
     """The live engine on CUDA (graphs, optionally compiled layers and bookkeeping): rows of mixed lengths and
     sampling settings joining at different times give the tokens of their own offline calls (fp32 tiny model)."""
-    import threading
-
     from hf_blockdiff.generation.live import LiveEngine, RowSettings, row_seeds
 
     model = tiny_model("qwen3", seed=1).to(CUDA)
@@ -258,22 +256,15 @@ def test_live_engine_rows_equal_offline_under_graphs(run):
             temperature=2.0)), (11, dict(max_new_tokens=16, threshold=0.9)), (5, dict(max_new_tokens=16))]
     prompts = random_prompts([length for length, _ in rows], seed=4)
     engine = LiveEngine(model, cfg, max_batch_size=3, max_prompt_tokens=16, max_new_tokens=16)
-    served, done = [[] for _ in rows], [threading.Event() for _ in rows]
-
-    def collect(i):
-        def on_update(update):
-            served[i].extend(update.tokens)
-            if update.finish_reason is not None:
-                done[i].set()
-        return on_update
-
+    served = [Collector() for _ in rows]
     engine.start()
     for i, (prompt, (_, given)) in enumerate(zip(prompts, rows)):
-        engine.submit(prompt.tolist(), RowSettings(seed=row_seeds(i, 1)[0], **given), collect(i))
-    assert all(event.wait(120) for event in done)
+        engine.submit(prompt.tolist(), RowSettings(seed=row_seeds(i, 1)[0], **given), served[i])
+    for row in served:
+        row.final(120)
     engine.close()
     for i, (prompt, (_, given)) in enumerate(zip(prompts, rows)):
         sampling = {k: v for k, v in given.items() if k != "max_new_tokens"}
         out = model.generate_multi_block(prompt[None].to(CUDA), cfg, max_new_tokens=given["max_new_tokens"],
                                          generator=torch.Generator().manual_seed(i), **sampling)
-        assert served[i] == out[0, len(prompt):].tolist(), i
+        assert served[i].tokens == out[0, len(prompt):].tolist(), i

@@ -11,7 +11,7 @@ import torch
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.generation.live import LiveEngine, RowSettings, row_seeds
 
-from helpers import MASK, char_tokenizer, random_prompts, tiny_model
+from helpers import MASK, Collector, char_tokenizer, random_prompts, tiny_model
 
 STOP = 7
 CFG = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, attention="block_causal", strategy="low_confidence_dynamic",
@@ -24,31 +24,6 @@ def model():
     with torch.no_grad():
         model.lm_head.weight.mul_(3)  # confidences spread around the thresholds
     return model
-
-
-class Collector:
-    """A row's updates, and an event set by its final one."""
-
-    def __init__(self):
-        self.updates, self.done = [], threading.Event()
-
-    def __call__(self, update):
-        self.updates.append(update)
-        if update.finish_reason is not None:
-            self.done.set()
-
-    @property
-    def tokens(self):
-        return [t for u in self.updates for t in u.tokens]
-
-    @property
-    def logprobs(self):
-        return [x for u in self.updates for x in u.logprobs]
-
-    def final(self, timeout=60):
-        assert self.done.wait(timeout), "the row got no final update"
-        assert [u.finish_reason is not None for u in self.updates].count(True) == 1
-        return self.updates[-1]
 
 
 def offline(model, prompt, settings, request_seed, samples=1, sample=0, tokenizer=None):
