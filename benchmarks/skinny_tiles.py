@@ -89,7 +89,7 @@ class Problem:
     def kernel(self, config: dict):
         def call():
             weights = self.weights()
-            skinny_gemm._launch(self.x, weights, [None] * len(weights), self.outputs, gated=self.shape.gated,
+            skinny_gemm._launch(self.x, weights, [None] * len(weights), self.outputs, self.shape.gated, False,
                                 residual=self.residual, configs=(config,))
         return call
 

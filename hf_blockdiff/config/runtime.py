@@ -36,6 +36,12 @@ class RuntimeOptions:
     Block-causal decoding with absolute blocks; 0: off (docs/architecture.md, "The cache").
     max_batch_size: prompts decoding at once, finished ones replaced by waiting ones (None: all of them, as the
     cache allows).
+    batch_invariant: a row's bits independent of the rows decoded beside it, so a served request equals its offline
+    call in bf16 too (docs/architecture.md, "What makes a row independent of its batch"). On CUDA every projection
+    and the LM head run on the skinny-GEMM kernel with one tile configuration per weight shape, attention in one key
+    split, layers not compiled: dense Qwen-style decoder layers with plain weights (SDAR, Fast-dLLM v2) on the
+    triton backend; other models are refused. On CPU decoding is batch-invariant already; under TRITON_INTERPRET=1
+    with attention_backend="triton" it runs the same kernels as on CUDA.
     """
 
     attention_backend: str = "auto"
@@ -45,11 +51,17 @@ class RuntimeOptions:
     max_cache_tokens: int | None = None
     prefix_cache_tokens: int = 0
     max_batch_size: int | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail("runtime.attention_backend", self.attention_backend,
                  f"choose one of {', '.join(ATTENTION_BACKENDS)}")
+        if not isinstance(self.batch_invariant, bool):
+            fail("runtime.batch_invariant", self.batch_invariant, "pass True or False")
+        if self.batch_invariant and self.compile:
+            fail("runtime.compile", self.compile, "compiled layers choose their GEMMs by the row count, so "
+                 "batch_invariant=True runs them uncompiled: pass compile=None or False")
         for name in ("cuda_graphs", "compile"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 fail(f"runtime.{name}", getattr(self, name), "pass True, False or None (automatic)")

@@ -30,6 +30,7 @@ from .device_limits import fitting, shared_memory_limit, shrinking
 
 MAX_ROWS = 64
 ONE_WEIGHT_MAX_ROWS = 16  # one weight alone beats cuBLAS only up to here (H200: at 32 rows its down projection wins)
+INVARIANT_BLOCK_M = 64  # `invariant` launches: rows in tiles of this many, whatever their count
 
 
 def grouped_linear_reference(x: torch.Tensor, weights: list, biases: list) -> list:
@@ -90,32 +91,35 @@ def _configs(n_out: int, width: int, gated: bool, block_m: int, element_size: in
     return fitting(candidates, lambda config: _shared_bytes(config, block_m, gated, element_size), limit)
 
 
-def grouped_linear(x: torch.Tensor, weights: list, biases: list) -> list:
-    """x [rows, K] and up to three weights [Nᵢ, K] (biases [Nᵢ] or None) → [rows, Nᵢ] each."""
+def grouped_linear(x: torch.Tensor, weights: list, biases: list, invariant: bool = False) -> list:
+    """x [rows, K] and up to three weights [Nᵢ, K] (biases [Nᵢ] or None) → [rows, Nᵢ] each. `invariant`: a row's
+    output does not depend on the rows beside it (the kernel at any row count, one tile configuration per weight
+    shape; module docstring)."""
     if not 1 <= len(weights) <= 3 or len(biases) != len(weights):
         raise ValueError("grouped_linear takes one to three weights, and one bias (or None) for each")
     if any((b is None) != (biases[0] is None) for b in biases):
         raise ValueError("grouped_linear: give a bias for every weight or for none")
     _check(x, weights, biases)
-    return torch.ops.hf_blockdiff.grouped_linear(x.contiguous(), list(weights), list(biases))
+    return torch.ops.hf_blockdiff.grouped_linear(x.contiguous(), list(weights), list(biases), invariant)
 
 
-def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias, residual: torch.Tensor) -> torch.Tensor:
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias, residual: torch.Tensor,
+                    invariant: bool = False) -> torch.Tensor:
     """x [rows, K], weight [N, K], bias [N] or None, residual [rows, N] → residual + x·Wᵀ + b, each sum rounded to
-    x's dtype as torch rounds it (one launch instead of a projection and an add)."""
+    x's dtype as torch rounds it (one launch instead of a projection and an add); `invariant` as `grouped_linear`."""
     _check(x, [weight], [bias])
     if residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype:
         raise ValueError(f"residual must be [{x.shape[0]}, {weight.shape[0]}] in {x.dtype}, got "
                          f"{list(residual.shape)} {residual.dtype}")
-    return torch.ops.hf_blockdiff.linear_residual(x.contiguous(), weight, bias, residual.contiguous())
+    return torch.ops.hf_blockdiff.linear_residual(x.contiguous(), weight, bias, residual.contiguous(), invariant)
 
 
-def gated_linear(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """x [rows, K], gate and up [N, K] → silu(x·gateᵀ)·(x·upᵀ) [rows, N]."""
+def gated_linear(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """x [rows, K], gate and up [N, K] → silu(x·gateᵀ)·(x·upᵀ) [rows, N]; `invariant` as `grouped_linear`."""
     _check(x, [gate, up], [None, None])
     if gate.shape != up.shape:
         raise ValueError(f"gate and up must have one shape, got {list(gate.shape)} and {list(up.shape)}")
-    return torch.ops.hf_blockdiff.gated_linear(x.contiguous(), gate, up)
+    return torch.ops.hf_blockdiff.gated_linear(x.contiguous(), gate, up, invariant)
 
 
 if TRITON_AVAILABLE:
@@ -141,9 +145,9 @@ if TRITON_AVAILABLE:
         y_mask = (rm[:, None] < rows) & (cols[None, :] < n)
         out = round_to(out, dtype)
         if HAS_RESIDUAL:
-            residual = tl.load(r_ptr + rm[:, None] * n + cols[None, :], mask=y_mask, other=0.0)
+            residual = tl.load(r_ptr + rm[:, None].to(tl.int64) * n + cols[None, :], mask=y_mask, other=0.0)
             out = round_to(out + residual.to(tl.float32), dtype)
-        tl.store(y_ptr + rm[:, None] * n + cols[None, :], out.to(dtype), mask=y_mask)
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * n + cols[None, :], out.to(dtype), mask=y_mask)
 
     @triton.jit
     def _x_tile(x_ptr, rm, ks, rows, K):
@@ -158,7 +162,8 @@ if TRITON_AVAILABLE:
                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, GDC: tl.constexpr,
                        HAS_RESIDUAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # program → (weight, column tile); GATED: every program reads the same columns of w0 (gate) and w1 (up)
+        # program → (weight, column tile) × row tile; GATED: every program reads the same columns of w0 (gate) and
+        # w1 (up)
         allow_dependents(GDC)
         pid = tl.program_id(0)
         tiles0 = tl.cdiv(n0, BLOCK_N)
@@ -182,7 +187,7 @@ if TRITON_AVAILABLE:
                 n = n1
                 tile = pid - tiles0
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         w_offsets = cols[:, None].to(tl.int64) * K + rk[None, :]
         w_mask = (cols[:, None] < n) & (rk[None, :] < K)
@@ -206,18 +211,18 @@ if TRITON_AVAILABLE:
                 acc_up = dot_t(x, tl.load(w1 + w_offsets + k0, mask=w_mask, other=0.0), acc_up, IEEE)
         _store(acc, acc_up, b_ptr, r_ptr, y_ptr, cols, rm, rows, n, HAS_BIAS, GATED, HAS_RESIDUAL)
 
-    def _launch(x, weights, biases, outputs, gated, residual=None, configs=None):
+    def _launch(x, weights, biases, outputs, gated, invariant, residual=None, configs=None):
         """The kernel with the first of `configs` that loads (None: `device_configs`', the tile sweep
-        benchmarks/skinny_tiles.py names its own)."""
+        benchmarks/skinny_tiles.py names its own), over the row tiles of `_block_m`."""
         if x.data_ptr() % 16:
             x = x.clone()
         rows, width = x.shape
         widths = tuple(w.shape[0] for w in weights) + (0,) * (3 - len(weights))
         has_bias = biases[0] is not None
-        block_m = max(16, triton.next_power_of_2(rows))
-        configs = configs or device_configs(x, widths, gated)
+        block_m = _block_m(rows, invariant)
+        configs = configs or device_configs(x, widths, gated, invariant)
         overlap = dependent_launch(x.device)
-        launch(_skinny_kernel, lambda config: (_programs(widths, gated, config["BLOCK_N"]),),
+        launch(_skinny_kernel, lambda config: (_programs(widths, gated, config["BLOCK_N"]), triton.cdiv(rows, block_m)),
             x, *_three(weights), *_three(biases if has_bias else weights), *_three(outputs),
             outputs[0] if residual is None else residual, *widths, rows, width,
             HAS_BIAS=has_bias, GATED=gated, IEEE=ieee_products(x.dtype), GDC=overlap,
@@ -225,11 +230,16 @@ if TRITON_AVAILABLE:
             **launch_options(overlap),
         )
 
-    def device_configs(x: torch.Tensor, widths: tuple, gated: bool) -> tuple:
+    def device_configs(x: torch.Tensor, widths: tuple, gated: bool, invariant: bool = False) -> tuple:
         """The candidate configurations of a launch on x's rows and device for weights of `widths` output columns
         (three, zeros for unused slots; gated: gate's and up's)."""
-        block_m = max(16, triton.next_power_of_2(x.shape[0]))
+        block_m = _block_m(x.shape[0], invariant)
         return _configs(sum(widths), x.shape[1], gated, block_m, x.element_size(), shared_memory_limit(x.device))
+
+    def _block_m(rows: int, invariant: bool) -> int:
+        """Rows per tile: all of them in one tile padded to a power of two of at least 16 (MAX_ROWS at most), or
+        `INVARIANT_BLOCK_M` whatever the rows (Triton may pick another MMA instruction for another BLOCK_M)."""
+        return INVARIANT_BLOCK_M if invariant else max(16, triton.next_power_of_2(rows))
 
     def _programs(widths: tuple, gated: bool, block_n: int) -> int:
         """Column tiles: of the gate's columns (up's are the same) when gated, else of every weight's."""
@@ -240,40 +250,40 @@ if TRITON_AVAILABLE:
         return list(tensors) + [tensors[0]] * (3 - len(tensors))
 
     @custom_op("hf_blockdiff::grouped_linear", mutates_args=())
-    def _grouped_linear_op(x: torch.Tensor, weights: list[torch.Tensor],
-                           biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        if x.shape[0] > (MAX_ROWS if len(weights) > 1 else ONE_WEIGHT_MAX_ROWS):
+    def _grouped_linear_op(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                           invariant: bool) -> list[torch.Tensor]:
+        if not invariant and x.shape[0] > (MAX_ROWS if len(weights) > 1 else ONE_WEIGHT_MAX_ROWS):
             return grouped_linear_reference(x, weights, biases)
         outputs = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
-        _launch(x, weights, biases, outputs, gated=False)
+        _launch(x, weights, biases, outputs, False, invariant)
         return outputs
 
     @_grouped_linear_op.register_fake
-    def _grouped_linear_shapes(x, weights, biases):
+    def _grouped_linear_shapes(x, weights, biases, invariant):
         """Shapes only: tracing never runs the kernel (nor Triton's CPU interpreter)."""
         return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
 
     @custom_op("hf_blockdiff::linear_residual", mutates_args=())
     def _linear_residual_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            residual: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > ONE_WEIGHT_MAX_ROWS:
+                            residual: torch.Tensor, invariant: bool) -> torch.Tensor:
+        if not invariant and x.shape[0] > ONE_WEIGHT_MAX_ROWS:
             return linear_residual_reference(x, weight, bias, residual)
         out = torch.empty_like(residual)
-        _launch(x, [weight], [bias], [out], gated=False, residual=residual)
+        _launch(x, [weight], [bias], [out], False, invariant, residual=residual)
         return out
 
     @_linear_residual_op.register_fake
-    def _linear_residual_shape(x, weight, bias, residual):
+    def _linear_residual_shape(x, weight, bias, residual, invariant):
         return torch.empty_like(residual)
 
     @custom_op("hf_blockdiff::gated_linear", mutates_args=())
-    def _gated_linear_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > MAX_ROWS:
+    def _gated_linear_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, invariant: bool) -> torch.Tensor:
+        if not invariant and x.shape[0] > MAX_ROWS:
             return gated_linear_reference(x, gate, up)
         out = x.new_empty(x.shape[0], gate.shape[0])
-        _launch(x, [gate, up], [None, None], [out], gated=True)
+        _launch(x, [gate, up], [None, None], [out], True, invariant)
         return out
 
     @_gated_linear_op.register_fake
-    def _gated_linear_shapes(x, gate, up):
+    def _gated_linear_shapes(x, gate, up, invariant):
         return x.new_empty(x.shape[0], gate.shape[0])
