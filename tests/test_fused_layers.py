@@ -176,7 +176,8 @@ def test_compile_is_off_by_default_where_every_layer_runs_fused():
     (it would only cost its first-call time, docs/benchmarks.md, "Cold start"); compiled with many tokens, layers left
     unfused, a backend that fuses no norms, or tensor parallel."""
     cuda, config = torch.device("cuda"), BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8)
-    triton_backend, flash = resolve_backend("triton", cuda, 4, 64), SimpleNamespace(fuses_norms=False)
+    triton_backend, flash = resolve_backend("triton", cuda, 4, 64), SimpleNamespace(fuses_norms=False,
+                                                                                    batch_invariant=False)
     qwen3 = tiny_model("qwen3")
     assert fully_fused(qwen3) and not fully_fused(tiny_model("llama"))  # Llama's attention is not fused
     assert fusion_for(config, triton_backend, True, cuda, qwen3, 8) == "norms"  # 8 rows x 2 blocks x 4 = 64 tokens
@@ -185,6 +186,8 @@ def test_compile_is_off_by_default_where_every_layer_runs_fused():
     assert fusion_for(config, flash, True, cuda, qwen3, 1) == "compile"
     assert fusion_for(config.replace(compile=True), triton_backend, True, cuda, qwen3, 1) == "compile"
     assert fusion_for(config.replace(cfg_scale=1.0), triton_backend, True, cuda, qwen3, 8) == "compile"  # guided: x2
+    invariant = resolve_backend("triton", cuda, 4, 64, batch_invariant=True)  # batch_invariant: never compiled
+    assert fusion_for(config.replace(batch_invariant=True), invariant, True, cuda, qwen3, 9) == "norms"
     with pytest.MonkeyPatch.context() as patch:  # tensor parallel: compiled at few tokens too
         patch.setattr("hf_blockdiff.fusion.mode.tensor_parallel_size", lambda model: 2)
         assert fusion_for(config, triton_backend, True, cuda, qwen3, 1) == "compile"

@@ -31,6 +31,11 @@ class AttentionBackend:
     fuses_norms = False  # the decoder's RMSNorms may run as Triton kernels beside this backend
     how_to_get = ""
 
+    def __init__(self, batch_invariant: bool = False):
+        # decode on the batch-invariant kernels (fusion/invariant.py): the triton backend with
+        # RuntimeOptions.batch_invariant (elsewhere refused on CUDA, and on the CPU invariant as it is)
+        self.batch_invariant = batch_invariant
+
     @classmethod
     def runs_on(cls, device: torch.device) -> bool:
         return True
@@ -90,8 +95,10 @@ class TritonBackend(AttentionBackend):
         return TRITON_AVAILABLE and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
     def attend(self, query, key, value, cache, layer, plan, scaling, sliding=False):
+        # batch-invariant: one key split (the automatic count follows the grid, i.e. the batch, and the split length
+        # the key capacity; docs/architecture.md, "What makes a row independent of its batch")
         return paged_attention(query, cache.keys[layer], cache.values[layer], plan.page_table, plan.q_limit, scaling,
-                               q_start=plan.key_start(sliding))
+                               num_splits=1 if self.batch_invariant else None, q_start=plan.key_start(sliding))
 
 
 class FlashBackend(AttentionBackend):
@@ -135,12 +142,20 @@ def available_backends(device: torch.device) -> tuple[str, ...]:
     return tuple(backend.name for backend in BACKENDS if backend.runs_on(device))
 
 
-def resolve_backend(requested: str, device: torch.device, block_size: int, page_size: int) -> AttentionBackend:
-    """The backend to run: `auto` picks the fastest exact one available (sdpa on CPU)."""
+def resolve_backend(requested: str, device: torch.device, block_size: int, page_size: int,
+                    batch_invariant: bool = False) -> AttentionBackend:
+    """The backend to run: `auto` picks the fastest exact one available (sdpa on CPU). `batch_invariant` on CUDA
+    takes the triton backend only (sdpa's and FlashAttention's kernels split the keys by the batch; on the CPU every
+    backend is batch-invariant)."""
     available = available_backends(device)
     if requested == "auto":
         requested = available[-1] if device.type == "cuda" else "sdpa"
-    backend = next(b for b in BACKENDS if b.name == requested)()
+    if batch_invariant and device.type == "cuda" and requested != "triton":
+        raise ValueError(f"BlockDiffusionConfig.runtime.attention_backend={requested!r} cannot decode with "
+                         "batch_invariant=True: its CUDA kernels choose how to split the keys by the batch; pass "
+                         "attention_backend='triton' (or 'auto').")
+    backend_class = next(b for b in BACKENDS if b.name == requested)
+    backend = backend_class(batch_invariant and backend_class is TritonBackend)
     if requested not in available:
         raise ValueError(
             f"attention_backend={requested!r} is not available on {device.type}: {backend.how_to_get} "

@@ -182,6 +182,9 @@ def check_canvas_config(cfg) -> None:
         if getattr(cfg.runtime, name) != getattr(defaults.runtime, name):
             fail(f"runtime.{name}", getattr(cfg.runtime, name), "DiffusionGemma decodes every prompt of a call at "
                  "once and keeps no prefix store: leave it unset")
+    if cfg.runtime.batch_invariant:
+        fail("runtime.batch_invariant", True, "DiffusionGemma's layers (MoE experts, sliding and global attention) "
+             "have no batch-invariant kernels: leave it False")
 
 
 def check_editing_fields(cfg) -> None:

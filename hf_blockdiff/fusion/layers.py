@@ -23,6 +23,9 @@ a transformers cache, run the stock forward.
 
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaMLP, eager_attention_forward
@@ -57,7 +60,7 @@ def unhooked(module: torch.nn.Module) -> bool:
             and ("forward" not in vars(module) or row_parallel(module)))
 
 
-def _plain(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
+def plain_linear(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
     weight = linear.weight
     return (type(linear) is torch.nn.Linear and unhooked(linear) and type(weight.data) is torch.Tensor
             and weight.dtype == dtype and weight.is_contiguous() and weight.device.type != "meta")
@@ -67,25 +70,27 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _project(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _project(linear: torch.nn.Linear, x: torch.Tensor, invariant: bool) -> torch.Tensor:
     """`linear(x)`; a row-parallel layer's partial product summed over the ranks."""
     sharded = row_parallel(linear)
-    (out,) = grouped_linear(_flat(x), [linear.weight], [None if sharded else linear.bias])
+    (out,) = grouped_linear(_flat(x), [linear.weight], [None if sharded else linear.bias], invariant)
     return (finish_row_parallel(linear, out) if sharded else out).view(*x.shape[:-1], out.shape[-1])
 
 
-def fused_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The gated MLP; `residual`: added in the down projection's launch (`fused_layer_forward`)."""
-    hidden = gated_linear(_flat(x), self.gate_proj.weight, self.up_proj.weight)
+def fused_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                      invariant: bool = False) -> torch.Tensor:
+    """The gated MLP; `residual`: added in the down projection's launch (`fused_layer_forward`); `invariant`: the
+    skinny GEMMs' batch-invariant launches (every forward below takes it)."""
+    hidden = gated_linear(_flat(x), self.gate_proj.weight, self.up_proj.weight, invariant)
     down = self.down_proj
     if residual is None or row_parallel(down):  # a partial product: the residual after the sum
-        out = _project(down, hidden.view(*x.shape[:-1], hidden.shape[-1]))
+        out = _project(down, hidden.view(*x.shape[:-1], hidden.shape[-1]), invariant)
         return out if residual is None else out + residual
-    return linear_residual(hidden, down.weight, down.bias, _flat(residual)).view(residual.shape)
+    return linear_residual(hidden, down.weight, down.bias, _flat(residual), invariant).view(residual.shape)
 
 
 def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                        use_cache=False, position_embeddings=None, **kwargs):
+                        use_cache=False, position_embeddings=None, invariant=False, **kwargs):
     """transformers' decoder layer with its residual adds in other launches: after the attention in the
     post-attention RMSNorm's (`add_rms_norm`), after the MLP in the down projection's (`linear_residual`)."""
     cache = kv_cache_argument(past_key_values, kwargs)
@@ -97,7 +102,7 @@ def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
         use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     norm = self.post_attention_layernorm
     residual, normed = add_rms_norm(hidden_states, attended, norm.weight, norm.variance_epsilon)
-    return fused_mlp_forward(self.mlp, normed, residual)
+    return fused_mlp_forward(self.mlp, normed, residual, invariant)
 
 
 def _rotates_in_cache(attention: torch.nn.Module) -> bool:
@@ -111,7 +116,7 @@ def _rotates_in_cache(attention: torch.nn.Module) -> bool:
 
 
 def _attention(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
-               rotary_in_cache: bool):
+               rotary_in_cache: bool, invariant: bool):
     cache = kv_cache_argument(past_key_values, kwargs)
     if cache is not None:  # the cache's parameter is the fourth on every version, whatever its name
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
@@ -120,7 +125,7 @@ def _attention(self, hidden_states, position_embeddings, attention_mask, past_ke
     query, key, value = (
         out.view(*input_shape, out.shape[-1] // self.head_dim, self.head_dim).transpose(1, 2)
         for out in grouped_linear(_flat(hidden_states), [p.weight for p in projections],
-                                  [p.bias for p in projections]))
+                                  [p.bias for p in projections], invariant))
     cos, sin = position_embeddings
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
     if rotary_in_cache and attention is blockdiff_attention_forward:  # the cache's write kernel norms and rotates
@@ -134,20 +139,22 @@ def _attention(self, hidden_states, position_embeddings, attention_mask, past_ke
     attended, weights = attention(
         self, query, key, value, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
         scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
-    return _project(self.o_proj, attended.reshape(*input_shape, -1).contiguous()), weights
+    return _project(self.o_proj, attended.reshape(*input_shape, -1).contiguous(), invariant), weights
 
 
 def fused_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
-                            **kwargs):
+                            invariant=False, **kwargs):
     """q/k/v in one launch, then the stock steps."""
-    return _attention(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs, False)
+    return _attention(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs, False,
+                      invariant)
 
 
 def rotary_in_cache_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
-                                      **kwargs):
+                                      invariant=False, **kwargs):
     """q/k/v in one launch; under hf_blockdiff's attention the q/k norms and the rotary embedding in the cache's
     write kernel (for attentions `_rotates_in_cache` takes, decided before decoding patches any norm)."""
-    return _attention(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs, True)
+    return _attention(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs, True,
+                      invariant)
 
 
 def _fusable(module: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -165,7 +172,7 @@ def _fusable(module: torch.nn.Module, dtype: torch.dtype) -> bool:
             return False
     else:
         return False
-    return unhooked(module) and all(_plain(p, dtype) for p in linears)
+    return unhooked(module) and all(plain_linear(p, dtype) for p in linears)
 
 
 def _fusable_layer(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -176,20 +183,27 @@ def _fusable_layer(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
             and type(layer.mlp) in GATED_MLPS and _fusable(layer.mlp, dtype) and _fusable(layer.self_attn, dtype))
 
 
-def fused_forwards(model: torch.nn.Module, mlps: bool = True, layers: bool = False) -> list[tuple[torch.nn.Module,
-                                                                                                     object]]:
+def _bound(forward, module: torch.nn.Module, invariant: bool):
+    """`forward` as the module's method; `invariant`: called with invariant=True (a new object at each install:
+    such layers are never compiled, so no compiled layer guards on it)."""
+    return types.MethodType(functools.partial(forward, invariant=True), module) if invariant else forward.__get__(module)
+
+
+def fused_forwards(model: torch.nn.Module, mlps: bool = True, layers: bool = False,
+                   invariant: bool = False) -> list[tuple[torch.nn.Module, object]]:
     """(module, forward) for every module to run fused while decoding (none without Triton); `mlps`: the gated MLPs
     too (with many tokens their ops run unfused, where the compiled stock MLP fuses its activation); `layers`: with
-    `mlps`, the decoder layers too (their residual adds fused; for layers that are not compiled)."""
+    `mlps`, the decoder layers too (their residual adds fused; for layers that are not compiled); `invariant`: their
+    GEMMs in the batch-invariant launches (`RuntimeOptions.batch_invariant`)."""
     dtype = model.dtype
     if not TRITON_AVAILABLE or dtype not in _DTYPES:
         return []
     forwards = []
     for module in model.modules():
         if mlps and layers and _fusable_layer(module, dtype):
-            forwards.append((module, fused_layer_forward.__get__(module)))
+            forwards.append((module, _bound(fused_layer_forward, module, invariant)))
         elif _fusable(module, dtype) and (mlps or type(module) not in GATED_MLPS):
             fused = (fused_mlp_forward if type(module) in GATED_MLPS else rotary_in_cache_attention_forward
                      if _rotates_in_cache(module) else fused_attention_forward)
-            forwards.append((module, fused.__get__(module)))
+            forwards.append((module, _bound(fused, module, invariant)))
     return forwards

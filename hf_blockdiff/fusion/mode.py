@@ -54,6 +54,8 @@ def fusion_for(cfg: BlockDiffusionConfig, backend: AttentionBackend, graphs: boo
     8–9 %). Tensor-parallel layers compile, at few tokens too (12–15 % faster at batch 1 over two and four GPUs:
     docs/benchmarks.md, "Tensor parallel"): their sums trace into the compiled layers (docs/kernels.md, "Kernels and
     backends")."""
+    if backend.batch_invariant:  # compiled layers choose their GEMMs by the row count (fusion/invariant.py)
+        return "norms"
     compile_ = cfg.runtime.compile
     if compile_ is None:
         fused = (backend.fuses_norms and fully_fused(model) and few_tokens(cfg, rows)
@@ -92,14 +94,16 @@ def shape_policy(model) -> bool | None:
 
 
 @contextmanager
-def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = False):
-    """The model's forwards in `fusion`'s mode for the block (module docstring). The fused forwards go in only where
-    Triton's kernels run (`TritonBackend.runs_on`): without them, compiled layers on the CPU (no TRITON_INTERPRET=1)
-    are the stock layers compiled by inductor's C++ backend."""
+def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = False, invariant: bool = False):
+    """The model's forwards in `fusion`'s mode for the block (module docstring); `invariant`: the fused forwards'
+    GEMMs in their batch-invariant launches (`fusion/invariant.py`). The fused forwards go in only where Triton's
+    kernels run (`TritonBackend.runs_on`): without them, compiled layers on the CPU (no TRITON_INTERPRET=1) are the
+    stock layers compiled by inductor's C++ backend."""
     norms = [m for m in model.modules() if type(m).__name__ in STOCK_RMS_NORMS] if fusion == "norms" else []
     layers = decoder_layers(model) if fusion == "compile" else []
     kernels = fusion != "none" and TritonBackend.runs_on(next(model.parameters()).device)
-    projections = fused_forwards(model, mlps=skinny, layers=fusion == "norms") + fused_experts(model) if kernels else []
+    projections = (fused_forwards(model, mlps=skinny, layers=fusion == "norms", invariant=invariant)
+                   + fused_experts(model)) if kernels else []
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME

@@ -16,6 +16,7 @@ from ..scheduler import ForwardLayout, ScoreRequest, Stored
 from ..scheduler.chunks import Chunks
 from ..strategies.scoring import SamplingParams, Scores, logit_salience, penalize_preceding, score_logits
 from ..fusion.mode import decoding_mode, few_tokens
+from ..kernels.skinny_gemm import grouped_linear
 
 
 HEAD_ROWS = 8
@@ -30,9 +31,11 @@ class ModelExecutor:
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         self.lm_head = model.get_output_embeddings()
         self.num_rows, self.guided = rows, cfg.cfg_scale > 0
+        # batch-invariant: every projection and the LM head in the skinny GEMMs' invariant launches (fusion/invariant.py)
+        self.invariant = backend.batch_invariant
         # the gated MLPs as skinny-GEMM ops too where every denoising forward fits their kernel: the ops take more rows
         # through cuBLAS, but the activation would then run unfused
-        self.skinny = fusion != "none" and few_tokens(cfg, rows)
+        self.skinny = self.invariant or (fusion != "none" and few_tokens(cfg, rows))
         layers = model.config.get_text_config().num_hidden_layers
         self.cache = cache if cache is not None else PagedBlockCache(layers, cfg.runtime.page_size)
         self.cache.start(2 * rows if self.guided else rows, width, pool_tokens, device)
@@ -51,7 +54,7 @@ class ModelExecutor:
             rows = torch.cat([rows, rows + self.num_rows])
             positions, limits, valid = positions.repeat(2, 1), limits.repeat(2, 1), valid.repeat(2, 1)
         plan = self.backend.plan(self.cache, rows, positions, valid, limits.int())
-        with decoding_mode(self.model, self.fusion, self.skinny):
+        with decoding_mode(self.model, self.fusion, self.skinny, self.invariant):
             out = self.decoder(input_ids=tokens, position_ids=positions, use_cache=False,
                                blockdiff_cache=self.cache, blockdiff_plan=plan)
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
@@ -95,7 +98,9 @@ class ModelExecutor:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on rows padded to a multiple of `HEAD_ROWS`: a CPU GEMM computes the last `rows mod 4`
         rows by another kernel, so without it a row's logits would depend on how many rows share the step
-        (docs/architecture.md, "Serving")."""
+        (docs/architecture.md, "Serving"); batch-invariant, in the skinny GEMM's invariant launch."""
+        if self.invariant:
+            return grouped_linear(hidden, [self.lm_head.weight], [self.lm_head.bias], invariant=True)[0]
         rows = len(hidden)
         padded = torch.nn.functional.pad(hidden, (0, 0, 0, -rows % HEAD_ROWS))
         return self.lm_head(padded)[:rows]

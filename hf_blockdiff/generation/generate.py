@@ -12,6 +12,7 @@ from ..attention import resolve_backend
 from ..config import BlockDiffusionConfig
 from ..config.checks import check_block_config
 from ..config.profiles import model_profile
+from ..fusion.invariant import check_batch_invariant
 from ..weights.quantization import check_quantization
 from ..weights.tensor_parallel import check_tensor_parallel, sharded_decoding
 from .engine import Results, engine_for, request_seeds
@@ -85,7 +86,9 @@ def generate_multi_block(
     samples = _check_samples(call["num_return_sequences"], streamer)
     check_quantization(self)
     check_tensor_parallel(self)
-    backend = resolve_backend(cfg.runtime.attention_backend, device, cfg.block_size, cfg.runtime.page_size)
+    backend = resolve_backend(cfg.runtime.attention_backend, device, cfg.block_size, cfg.runtime.page_size,
+                              cfg.runtime.batch_invariant)
+    check_batch_invariant(self, backend)
     stops = None if call["stop_strings"] is None else StopStrings(call["stop_strings"], call["tokenizer"])
     stream = _TokenStream(streamer, input_ids, cfg) if streamer is not None else None
     groups = [group for group in range(len(prompts)) for _ in range(samples)]

@@ -14,6 +14,7 @@ from ..attention import AttentionBackend, resolve_backend
 from ..config import BlockDiffusionConfig
 from ..config.checks import check_block_config, is_int, is_number
 from ..config.profiles import model_profile
+from ..fusion.invariant import check_batch_invariant
 from ..scheduler.settings import SlotSettings
 from ..strategies import STRATEGIES
 from ..weights.quantization import check_quantization
@@ -54,7 +55,9 @@ class ServingLimits:
         check_lengths(model, [torch.zeros(length, dtype=torch.long) for length in (1, max_prompt_tokens)], cfg)
         check_quantization(model)
         check_tensor_parallel(model)
-        backend = resolve_backend(cfg.runtime.attention_backend, device, cfg.block_size, cfg.runtime.page_size)
+        backend = resolve_backend(cfg.runtime.attention_backend, device, cfg.block_size, cfg.runtime.page_size,
+                                  cfg.runtime.batch_invariant)
+        check_batch_invariant(model, backend)
         return cls(cfg, backend, device, max_batch_size, max_prompt_tokens, vocab)
 
     @contextmanager
