@@ -215,6 +215,9 @@ def add_serve_parser(commands) -> None:
     parser.add_argument("--device", help="default: the GPU if there is one, else cpu")
     parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help=f"dtype of the weights: {', '.join(DTYPES)} (default: %(default)s)")
+    parser.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=None,
+                        help="a response's bits independent of the requests decoded beside it, on GPUs too "
+                        "(RuntimeOptions.batch_invariant; dense Qwen-style models; default: off)")
     add_config_flags(parser)
     parser.set_defaults(run=run_serve)
 

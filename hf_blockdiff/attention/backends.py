@@ -96,7 +96,7 @@ class TritonBackend(AttentionBackend):
 
     def attend(self, query, key, value, cache, layer, plan, scaling, sliding=False):
         # batch-invariant: one key split (the automatic count follows the grid, i.e. the batch, and the split length
-        # the key capacity; docs/architecture.md, "What makes a row independent of its batch")
+        # the key capacity; docs/architecture.md, "Batch-invariant decoding")
         return paged_attention(query, cache.keys[layer], cache.values[layer], plan.page_table, plan.q_limit, scaling,
                                num_splits=1 if self.batch_invariant else None, q_start=plan.key_start(sliding))
 

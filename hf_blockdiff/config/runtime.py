@@ -37,11 +37,11 @@ class RuntimeOptions:
     max_batch_size: prompts decoding at once, finished ones replaced by waiting ones (None: all of them, as the
     cache allows).
     batch_invariant: a row's bits independent of the rows decoded beside it, so a served request equals its offline
-    call in bf16 too (docs/architecture.md, "What makes a row independent of its batch"). On CUDA every projection
-    and the LM head run on the skinny-GEMM kernel with one tile configuration per weight shape, attention in one key
-    split, layers not compiled: dense Qwen-style decoder layers with plain weights (SDAR, Fast-dLLM v2) on the
-    triton backend; other models are refused. On CPU decoding is batch-invariant already; under TRITON_INTERPRET=1
-    with attention_backend="triton" it runs the same kernels as on CUDA.
+    call in bf16 too (docs/architecture.md, "Batch-invariant decoding"). On CUDA every projection and the LM head run
+    on the skinny-GEMM kernel with one tile configuration per weight shape, attention in one key split, the layers
+    uncompiled: dense Qwen-style decoder layers with plain weights (SDAR, Fast-dLLM v2) on the triton backend; other
+    models are refused before any forward. On the CPU decoding is batch-invariant as it is (the option still checks
+    its input); under TRITON_INTERPRET=1 with attention_backend="triton" it runs the kernels it runs on CUDA.
     """
 
     attention_backend: str = "auto"

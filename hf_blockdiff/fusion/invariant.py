@@ -1,6 +1,5 @@
-"""Batch-invariant decoding (`RuntimeOptions.batch_invariant`; docs/architecture.md, "What makes a row independent of
-its batch"): where it runs on the invariant kernels, and the models it cannot make invariant, refused before any
-forward.
+"""The models batch-invariant decoding cannot cover (`RuntimeOptions.batch_invariant`; docs/architecture.md,
+"Batch-invariant decoding"), refused before any forward.
 
 On the invariant kernels every decoder layer runs its fused forward (`fusion/layers.py`) uncompiled, each projection
 in the skinny GEMM's invariant launch, the norms as Triton kernels, attention in one key split, and the LM head in the

@@ -186,7 +186,9 @@ def _fusable_layer(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
 def _bound(forward, module: torch.nn.Module, invariant: bool):
     """`forward` as the module's method; `invariant`: called with invariant=True (a new object at each install:
     such layers are never compiled, so no compiled layer guards on it)."""
-    return types.MethodType(functools.partial(forward, invariant=True), module) if invariant else forward.__get__(module)
+    if invariant:
+        return types.MethodType(functools.partial(forward, invariant=True), module)
+    return forward.__get__(module)
 
 
 def fused_forwards(model: torch.nn.Module, mlps: bool = True, layers: bool = False,

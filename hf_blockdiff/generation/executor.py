@@ -31,7 +31,7 @@ class ModelExecutor:
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         self.lm_head = model.get_output_embeddings()
         self.num_rows, self.guided = rows, cfg.cfg_scale > 0
-        # batch-invariant: every projection and the LM head in the skinny GEMMs' invariant launches (fusion/invariant.py)
+        # batch-invariant: every projection and the LM head on the skinny GEMM's invariant launch (fusion/invariant.py)
         self.invariant = backend.batch_invariant
         # the gated MLPs as skinny-GEMM ops too where every denoising forward fits their kernel: the ops take more rows
         # through cuBLAS, but the activation would then run unfused

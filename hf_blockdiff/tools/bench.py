@@ -120,7 +120,7 @@ def _llada2_settings(args, mask_id: int):
                                            ("threshold", args.threshold)) if value is not None}
     cfg = BlockDiffusionConfig.from_preset(
         "llada2_1" if editing else "llada2", mask_token_id=mask_id, max_new_tokens=args.new_tokens, eos_token_id=[],
-        attention_backend=args.attention_backend, compile=COMPILE[args.compile],
+        attention_backend=args.attention_backend, compile=COMPILE[args.compile], batch_invariant=args.batch_invariant,
         **editing, **sizes)
     return as_given(cfg), diffusers_llada2
 
@@ -142,7 +142,7 @@ def _settings(args, model, mask_id: int):
         decoded_token_threshold=args.decoded_token_threshold, eos_token_id=[], attention_backend=args.attention_backend,
         attention="bidirectional" if bidirectional else "block_causal",
         alignment="prompt_end" if bidirectional else "absolute",
-        compile=COMPILE[args.compile],
+        compile=COMPILE[args.compile], batch_invariant=args.batch_invariant,
     )
     return as_given(cfg), llada_loop if bidirectional else reference_loop
 
@@ -380,6 +380,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                         help="torch.compile the decoder layers and the step's bookkeeping: auto, on, off (default: "
                         "%(default)s, the config's compile=None)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="decode each row independently of its batch (RuntimeOptions.batch_invariant), to "
+                        "measure what that costs (default: off)")
     parser.add_argument("--skip-reference", action="store_true", help="time hf_blockdiff only (default: off)")
     parser.add_argument("--compile-cache", metavar="DIR", help="load torch.compile's artifacts of this model from DIR "
                         "before the first call and save them after (`hf-blockdiff warmup`; default: none)")
