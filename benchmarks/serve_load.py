@@ -3,8 +3,10 @@
 process (uvicorn in a thread over a LiveEngine of --clients slots), sends --clients concurrent streamed completions of
 random prompts of mixed lengths (no stop token: every row runs --new-tokens), once to warm up and once timed, then
 decodes the same prompts offline with `generate_multi_block` at batch --clients (also warmed up). Prints a table and
-one JSON line: served and offline tokens/s and their ratio, p50/p99 time to the first committed token and per request.
-Random weights have no tokenizer: the server decodes ids with a stand-in one character per id."""
+one JSON line: served and offline tokens/s and their ratio, p50/p99 time to the first committed token and per request,
+and how many served completions differ from the offline batch's row of the same prompt (`--batch-invariant`: decode
+with RuntimeOptions.batch_invariant, under which none may; without it the count is only reported). Random weights
+have no tokenizer: the server decodes ids with a stand-in one character per id, which maps its text back to ids."""
 
 import argparse
 import asyncio
@@ -24,10 +26,16 @@ from hf_blockdiff.tools.bench_models import build_model
 
 
 class IdTokenizer:
-    """Text for random weights: one character per id (the server's detokenizing at about a real one's cost)."""
+    """Text for random weights: one character per id (the server's detokenizing at about a real one's cost), past the
+    surrogates, so the text maps back to the ids."""
+
+    FIRST = 0x10000
 
     def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(0x4E00 + token % 20000) for token in ids)
+        return "".join(chr(self.FIRST + token) for token in ids)
+
+    def ids(self, text: str) -> list[int]:
+        return [ord(character) - self.FIRST for character in text]
 
 
 def random_prompts(model, count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
@@ -54,7 +62,7 @@ def serve_in_thread(app):
 async def one_request(client, url: str, prompt: list[int], new_tokens: int) -> dict:
     body = {"model": "load", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    began, first, tokens = time.perf_counter(), None, 0
+    began, first, tokens, text = time.perf_counter(), None, 0, ""
     async with client.stream("POST", f"{url}/v1/completions", json=body) as answer:
         answer.raise_for_status()
         async for line in answer.aiter_lines():
@@ -65,8 +73,9 @@ async def one_request(client, url: str, prompt: list[int], new_tokens: int) -> d
                 raise RuntimeError(chunk["error"]["message"])
             if first is None and any(choice.get("text") for choice in chunk["choices"]):
                 first = time.perf_counter() - began
+            text += "".join(choice.get("text", "") for choice in chunk["choices"])
             tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens
-    return {"ttft_s": first, "seconds": time.perf_counter() - began, "tokens": tokens}
+    return {"ttft_s": first, "seconds": time.perf_counter() - began, "tokens": tokens, "text": text}
 
 
 async def load(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[list[dict], float]:
@@ -78,14 +87,17 @@ async def load(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[lis
         return results, time.perf_counter() - began
 
 
-def offline(model, prompts: list[list[int]], cfg: BlockDiffusionConfig) -> tuple[int, float]:
+def offline(model, prompts: list[list[int]], cfg: BlockDiffusionConfig) -> tuple[int, float, list[list[int]]]:
+    """(tokens committed, seconds, each row's generated ids)."""
     ids, mask = left_padded(prompts, 0, model.device)
     synchronize = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     synchronize()
     began = time.perf_counter()
     out = model.generate_multi_block(ids, cfg, attention_mask=mask, return_dict=True)
     synchronize()
-    return int((out.commit_step >= 0).sum()), time.perf_counter() - began
+    seconds = time.perf_counter() - began
+    rows = [row[step >= 0].tolist() for row, step in zip(out.sequences[:, ids.shape[1]:].cpu(), out.commit_step.cpu())]
+    return int((out.commit_step >= 0).sum()), seconds, rows
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -101,14 +113,17 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a checkpoint directory (default: random weights of --shape)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="serve and decode offline with RuntimeOptions.batch_invariant: served must equal offline")
     args = parser.parse_args()
     model = build_model(args.shape, args.model, args.device, getattr(torch, args.dtype))
-    cfg = BlockDiffusionConfig(max_new_tokens=args.new_tokens, eos_token_id=[])
+    cfg = BlockDiffusionConfig(max_new_tokens=args.new_tokens, eos_token_id=[], batch_invariant=args.batch_invariant)
     prompts = random_prompts(model, args.clients, args.min_prompt, args.max_prompt)
     engine = LiveEngine(model, cfg, max_batch_size=args.clients, max_prompt_tokens=args.max_prompt,
                         max_new_tokens=args.new_tokens)
     limits = Limits(args.max_prompt, args.new_tokens)
-    server, thread, url = serve_in_thread(create_app(Server(engine, IdTokenizer(), "load", limits,
+    tokenizer = IdTokenizer()
+    server, thread, url = serve_in_thread(create_app(Server(engine, tokenizer, "load", limits,
                                                             max_queue=args.clients, request_timeout=3600)))
     try:
         asyncio.run(load(url, prompts, args.new_tokens))  # warm-up: compiles and captures
@@ -117,11 +132,13 @@ def main() -> None:
         server.should_exit = True
         thread.join()
     offline(model, prompts, cfg)  # warm-up
-    offline_tokens, offline_s = offline(model, prompts, cfg)
-    report(args, results, served_s, offline_tokens, offline_s)
+    offline_tokens, offline_s, rows = offline(model, prompts, cfg)
+    differing = sum(tokenizer.ids(result["text"]) != row for result, row in zip(results, rows))
+    report(args, results, served_s, offline_tokens, offline_s, differing)
 
 
-def report(args, results: list[dict], served_s: float, offline_tokens: int, offline_s: float) -> None:
+def report(args, results: list[dict], served_s: float, offline_tokens: int, offline_s: float,
+           differing: int) -> None:
     served_tok_s = sum(r["tokens"] for r in results) / served_s
     offline_tok_s = offline_tokens / offline_s
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
@@ -132,12 +149,17 @@ def report(args, results: list[dict], served_s: float, offline_tokens: int, offl
                "offline_tok_s": round(offline_tok_s, 1), "served_over_offline": round(served_tok_s / offline_tok_s, 3),
                "ttft_p50_s": round(statistics.median(ttft), 3), "ttft_p99_s": round(percentile(ttft, 99), 3),
                "request_p50_s": round(statistics.median(latency), 3),
-               "request_p99_s": round(percentile(latency, 99), 3)}
+               "request_p99_s": round(percentile(latency, 99), 3), "batch_invariant": args.batch_invariant,
+               "rows_differing_from_offline": differing}
     print(f"tokens/s                 served {served_tok_s:.1f}, offline {offline_tok_s:.1f} (served / offline "
           f"{summary['served_over_offline']:.3f})")
     print(f"first committed token    p50 {summary['ttft_p50_s']:.3f} s, p99 {summary['ttft_p99_s']:.3f} s")
     print(f"request                  p50 {summary['request_p50_s']:.3f} s, p99 {summary['request_p99_s']:.3f} s")
+    print(f"served != offline        {differing} of {len(results)} rows"
+          + (" (batch_invariant: must be 0)" if args.batch_invariant else ""))
     print(json.dumps(summary))
+    if args.batch_invariant and differing:
+        raise SystemExit(f"batch_invariant: {differing} served rows differ from the offline batch")
 
 
 if __name__ == "__main__":
