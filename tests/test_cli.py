@@ -164,10 +164,19 @@ def test_bench_llada2_against_diffusers(capsys, editing):
 @pytest.mark.parametrize("extra, message", [
     (["--shape", "llada2-tiny", "--strategy", "sequential"], "drop --strategy"),
     (["--shape", "tiny", "--editing-threshold", "0.5"], "--editing-threshold needs a LLaDA2 model"),
+    (["--shape", "tiny", "--batch-invariant", "--compile", "on"], "batch_invariant=True runs them uncompiled"),
 ])
 def test_bench_refuses_settings_its_reference_lacks(capsys, extra, message):
     assert main(["bench", *extra, "--device", "cpu", "--dtype", "float32", "--new-tokens", "8"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_serve_batch_invariant_reaches_the_runtime_options():
+    from hf_blockdiff.cli import build_parser, config_from_args
+
+    for flags, expected in (([], False), (["--batch-invariant"], True)):
+        args = build_parser().parse_args(["serve", "--model", "demo", *flags])
+        assert config_from_args(args).runtime.batch_invariant is expected
 
 
 def test_bench_rollouts_share_pages(capsys):
