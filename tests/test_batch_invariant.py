@@ -7,7 +7,10 @@ import torch
 
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.attention import backends, resolve_backend
+from hf_blockdiff.config.checks import check_canvas_config
 from hf_blockdiff.config.runtime import RuntimeOptions
+from hf_blockdiff.fusion import invariant
+from hf_blockdiff.fusion.invariant import check_batch_invariant
 from hf_blockdiff.generation.live import LiveEngine, RowSettings, row_seeds
 from hf_blockdiff.kernels import skinny_gemm
 
@@ -76,16 +79,20 @@ def test_what_the_mode_cannot_cover_is_refused():
     with pytest.raises(ValueError, match="attention_backend='sdpa' cannot decode with batch_invariant"):
         resolve_backend("sdpa", torch.device("cuda"), 4, 64, batch_invariant=True)
     moe = tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    with pytest.raises(ValueError, match=r"batch_invariant=True .*decoder layer 0 \(Qwen3MoeDecoderLayer\)"):
+    with pytest.raises(ValueError, match=r"batch_invariant=True .*decoder layer \(Qwen3MoeDecoderLayer\)"):
         moe.generate_multi_block(torch.tensor([[1, 2, 3]]), CFG, max_new_tokens=4)
-    with pytest.raises(ValueError, match="LM head"):
-        LiveEngine(_hooked_head(), CFG, max_batch_size=2, max_prompt_tokens=8, max_new_tokens=4)
-
-
-def _hooked_head():
-    model = tiny_model("qwen3")
-    model.lm_head.register_forward_hook(lambda *args: None)
-    return model
+    hooked_head, layer_norm = tiny_model("qwen3"), tiny_model("qwen3")
+    hooked_head.lm_head.register_forward_hook(lambda *args: None)
+    layer_norm.model.norm = torch.nn.LayerNorm(layer_norm.config.hidden_size)
+    for model, problem in ((hooked_head, "its LM head"), (layer_norm, r"its final norm \(LayerNorm\)")):
+        with pytest.raises(ValueError, match=problem):
+            LiveEngine(model, CFG, max_batch_size=2, max_prompt_tokens=8, max_new_tokens=4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(invariant, "tensor_parallel_size", lambda model: 2)
+        with pytest.raises(ValueError, match="tensor-parallel model sums its shards through NCCL"):
+            check_batch_invariant(tiny_model("qwen3"), resolve_backend("triton", torch.device("cuda"), 4, 64, True))
+    with pytest.raises(ValueError, match="runtime.batch_invariant=True .*DiffusionGemma"):
+        check_canvas_config(BlockDiffusionConfig(batch_invariant=True))
 
 
 @pytest.mark.gpu

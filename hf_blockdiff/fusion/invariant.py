@@ -13,8 +13,8 @@ import torch
 
 from ..attention import AttentionBackend
 from ..weights.tensor_parallel import tensor_parallel_size
-from .layers import fused_forwards, plain_linear
-from .mode import STOCK_RMS_NORMS, decoder_layers
+from .layers import plain_linear
+from .mode import STOCK_RMS_NORMS, decoder_layers, fully_fused
 
 
 def check_batch_invariant(model: torch.nn.Module, backend: AttentionBackend) -> None:
@@ -32,12 +32,10 @@ def _uncovered(model: torch.nn.Module) -> str | None:
     """What of the model would still reduce in an order that follows the batch (None: nothing)."""
     if tensor_parallel_size(model) > 1:
         return "a tensor-parallel model sums its shards through NCCL, whose reduction follows the message size"
-    fused = {id(module) for module, _ in fused_forwards(model, layers=True)}
-    for index, layer in enumerate(decoder_layers(model)):
-        if id(layer) not in fused:
-            return (f"decoder layer {index} ({type(layer).__name__}) has no fused forward: only stock Qwen2/Qwen3 "
-                    "decoder layers with a gated MLP and plain weights do (no MoE experts, quantized, LoRA-wrapped "
-                    "or hooked modules)")
+    if not fully_fused(model):
+        kinds = ", ".join(sorted({type(layer).__name__ for layer in decoder_layers(model)}))
+        return (f"not every decoder layer ({kinds}) has a fused forward: only stock Qwen2/Qwen3 decoder layers with "
+                "a gated MLP and plain weights do (no MoE experts, quantized, LoRA-wrapped or hooked modules)")
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     norm = getattr(decoder, "norm", None)
     if type(norm).__name__ not in STOCK_RMS_NORMS:
