@@ -14,21 +14,21 @@ pytest.importorskip("triton")
 
 
 def _inputs(device, dtype, rows, width, outs, seed):
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, width, generator=generator).to(device, dtype)
-    weights = [(torch.randn(n, width, generator=generator) / width**0.5).to(device, dtype) for n in outs]
+    generator = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator, device=device).to(dtype)
+    weights = [(torch.randn(n, width, generator=generator, device=device) / width**0.5).to(dtype) for n in outs]
     return x, weights
 
 
 def _ops(x, weights, residual):
     """name → (op, reference), each on a slice of x's rows (and of `residual` [rows, N] beside them); the op
     invariant."""
-    nones = [None] * len(weights)
+    nones, up = [None] * len(weights), weights[0].flip(0)
     return {
         "grouped": (lambda rows: torch.cat(grouped_linear(x[rows], weights, nones, invariant=True), 1),
                     lambda rows: torch.cat(grouped_linear_reference(x[rows], weights, nones), 1)),
-        "gated": (lambda rows: gated_linear(x[rows], weights[0], weights[0].flip(0), invariant=True),
-                  lambda rows: gated_linear_reference(x[rows], weights[0], weights[0].flip(0))),
+        "gated": (lambda rows: gated_linear(x[rows], weights[0], up, invariant=True),
+                  lambda rows: gated_linear_reference(x[rows], weights[0], up)),
         "residual": (lambda rows: linear_residual(x[rows], weights[0], None, residual[rows], invariant=True),
                      lambda rows: linear_residual_reference(x[rows], weights[0], None, residual[rows])),
     }
