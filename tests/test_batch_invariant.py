@@ -49,9 +49,10 @@ def served_and_offline(model, cfg, device, slots, rows=ROWS):
 
 
 def test_served_rows_equal_their_offline_calls(monkeypatch):
-    """fp32 on the CPU under TRITON_INTERPRET=1, three rows on two slots: every projection and the LM head on the
-    invariant launches (the default launch pads the rows to a tile that follows their count, and the interpreter's
-    products of another tile shape sum in another order). Prefill chunks of 16 tokens keep the interpreter quick."""
+    """fp32 on the CPU under TRITON_INTERPRET=1, three rows on two slots, on the path a GPU takes: every projection and
+    the LM head on the invariant launch, attention in one split. The CPU's rows are invariant without it too
+    (docs/architecture.md, "Serving"): the bits are proven by the GPU test below and, for the GEMM, by
+    tests/kernels/test_invariant_gemm.py. Prefill chunks of 16 tokens keep the interpreter quick."""
     monkeypatch.setattr(backends, "PREFILL_CHUNK", 16)
     model = tiny_model("qwen3", seed=1, num_hidden_layers=1)
     with torch.no_grad():
