@@ -1,7 +1,8 @@
 """Load on `hf-blockdiff serve`: `python benchmarks/serve_load.py [--shape sdar-4b | --model DIR] [--clients 128]
 [--min-prompt 64] [--max-prompt 512] [--new-tokens 256] [--device cuda] [--dtype bfloat16]` serves the model in this
-process (uvicorn in a thread over a LiveEngine of --clients slots), sends --clients concurrent streamed completions of
-random prompts of mixed lengths (no stop token: every row runs --new-tokens), once to warm up and once timed, then
+process (uvicorn in a thread over a LiveEngine of --clients slots); a process of its own, as a server's clients are,
+sends --clients concurrent streamed completions of random prompts of mixed lengths (no stop token: every row runs
+--new-tokens), once to warm up and once timed, then
 decodes the same prompts offline with `generate_multi_block` at batch --clients (also warmed up). Prints a table and
 one JSON line: served and offline tokens/s and their ratio, p50/p99 time to the first committed token and per request,
 and how many served completions differ from the offline batch's row of the same prompt (`--batch-invariant`: decode
@@ -11,6 +12,7 @@ have no tokenizer: the server decodes ids with a stand-in one character per id, 
 import argparse
 import asyncio
 import json
+import multiprocessing
 import statistics
 import threading
 import time
@@ -22,7 +24,7 @@ from hf_blockdiff.generation.live import LiveEngine
 from hf_blockdiff.integrations.completions import left_padded
 from hf_blockdiff.serve.admission import Limits
 from hf_blockdiff.serve.app import Server, create_app
-from hf_blockdiff.tools.bench_models import build_model
+from hf_blockdiff.tools.bench_models import build_model, prompt_ceiling
 
 
 class IdTokenizer:
@@ -39,8 +41,7 @@ class IdTokenizer:
 
 
 def random_prompts(model, count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
-    text = model.config.get_text_config()
-    top = min(text.vocab_size, getattr(text, "mask_token_id", None) or text.vocab_size) - 1
+    top = prompt_ceiling(model)
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (count,), generator=generator).tolist()
     return [torch.randint(0, top, (n,), generator=generator).tolist() for n in lengths]
@@ -87,6 +88,29 @@ async def load(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[lis
         return results, time.perf_counter() - began
 
 
+def clients(url: str, prompts: list[list[int]], new_tokens: int, results) -> None:
+    """The clients' process: a warm-up round (the server compiles and captures), then the timed one, sent back."""
+    asyncio.run(load(url, prompts, new_tokens))
+    results.send(asyncio.run(load(url, prompts, new_tokens)))
+
+
+def served(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[list[dict], float]:
+    """The timed round of `clients`, run in a spawned process: the clients' JSON and HTTP work takes no GIL time
+    from the server's threads."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=clients, args=(url, prompts, new_tokens, send), daemon=True)
+    process.start()
+    try:
+        while not receive.poll(1.0):
+            if not process.is_alive():
+                raise RuntimeError(f"the clients' process ended (exit code {process.exitcode}) without results")
+        return receive.recv()
+    finally:
+        process.join(10)
+        process.kill()
+
+
 def offline(model, prompts: list[list[int]], cfg: BlockDiffusionConfig) -> tuple[int, float, list[list[int]]]:
     """(tokens committed, seconds, each row's generated ids)."""
     ids, mask = left_padded(prompts, 0, model.device)
@@ -126,8 +150,7 @@ def main() -> None:
     server, thread, url = serve_in_thread(create_app(Server(engine, tokenizer, "load", limits,
                                                             max_queue=args.clients, request_timeout=3600)))
     try:
-        asyncio.run(load(url, prompts, args.new_tokens))  # warm-up: compiles and captures
-        results, served_s = asyncio.run(load(url, prompts, args.new_tokens))
+        results, served_s = served(url, prompts, args.new_tokens)
     finally:
         server.should_exit = True
         thread.join()
