@@ -235,3 +235,29 @@ def test_close_without_cancel_finishes_the_running_rows(model):
     engine.close(cancel=False, timeout=60)
     assert running.final().finish_reason in ("stop", "length") and queued.final().finish_reason == "cancelled"
     assert running.tokens == offline(model, [1, 2, 3], RowSettings(max_new_tokens=6, seed=0, threshold=1.0), 0)[0]
+
+
+def test_steps_launched_ahead_of_the_reports_change_nothing(model, monkeypatch):
+    """The row loop launches a step before reporting the one before where the host can decide nothing between them
+    (generation/rows.py, `advance`). An offline call whose rows wait for slots equals the same call with every step
+    launched after the host's decisions: tokens, commit steps, logprobs and forwards (a step launched ahead of a
+    row's finish, or of a free slot's admission, would take a forward more)."""
+    from hf_blockdiff.generation import rows as rows_module
+
+    ids = torch.stack(random_prompts([6] * 5, seed=9))
+    cfg = CFG.replace(max_new_tokens=16, max_batch_size=2, temperature=0.7)
+    ahead = []
+    launch = rows_module.RowLoop._nothing_to_decide
+    monkeypatch.setattr(rows_module.RowLoop, "_nothing_to_decide",
+                        lambda self, slots: ahead.append(launch(self, slots)) or ahead[-1])
+
+    def call():
+        return model.generate_multi_block(ids, cfg, return_dict=True, generator=torch.Generator().manual_seed(3))
+
+    launched = call()
+    assert any(ahead)
+    monkeypatch.setattr(rows_module.RowLoop, "_nothing_to_decide", lambda self, slots: False)
+    after = call()
+    for name in ("sequences", "commit_step", "logprobs"):
+        assert torch.equal(getattr(launched, name), getattr(after, name)), name
+    assert launched.num_forwards == after.num_forwards

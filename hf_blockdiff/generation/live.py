@@ -248,12 +248,13 @@ class LiveEngine:
         try:
             with model_lock(self.model), self.limits.decoding(self.model):
                 loop.advance()
-                self._forwards = loop.engine.scheduler.num_forwards
+                self._forwards = loop.forwards  # not the scheduler's counter: that read waits for the step ahead
         except Exception as error:
             logger.exception("a live engine step failed: its running rows end with an error")
             self._fail_running(error)
             return
-        for row in [row for row in self._rows if row not in loop.queue and row not in loop.running]:
+        held = set(loop.queue) | set(loop.running)  # rows hash by identity: one pass, not one list scan per row
+        for row in [row for row in self._rows if row not in held]:
             self._rows.pop(row)  # finished: `finish` delivered their final update
 
     def _fail_running(self, error: BaseException) -> None:

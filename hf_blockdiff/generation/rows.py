@@ -50,7 +50,8 @@ class RowOutput:
 @dataclass(eq=False)
 class Row:
     """One sequence to decode. `group`: rows of one group (samples of one prompt) share its prefix pages; `index`:
-    the caller's number for it (errors name it); `report` is called after every step it runs, `finish` once."""
+    the caller's number for it (errors name it); `report` is called after every step that commits tokens of it
+    (every step it runs, with drafts), `finish` once."""
 
     prompt: torch.Tensor
     seed: int
@@ -78,11 +79,14 @@ class RowLoop:
         self.running: list[Row | None] = [None] * self.state.num_rows
         self.bound = 0  # steps all submitted rows can take one after another
         self.sampling = SlotSettings.of(engine.cfg).sampling  # the config's: rows sampling so take the fused path
+        self.ahead: list[int] | None = None  # the slots of a step launched before the host reported the one before
+        self.forwards = 0  # the engine's forwards when the last step this loop consumed ended
         engine.start_call()
 
     def restart(self) -> None:
         """After a failed step: the running rows are dropped, every slot and page free (queued rows stay)."""
         self.running = [None] * self.state.num_rows
+        self.ahead = None
         self.engine.start_call()
 
     @property
@@ -112,22 +116,24 @@ class RowLoop:
 
     def advance(self) -> tuple[list[int], list[int]]:
         """Admit queued rows into free slots, then one step, its reports and the harvest; returns the slots that
-        finished and each slot's decided generated positions (for a progress bar)."""
-        self._admit()
-        slots = [slot for slot, row in enumerate(self.running) if row is not None]
+        finished and each slot's decided generated positions (for a progress bar). Where the next step can change
+        nothing the host decides after this one (no row finished, none waits for a free slot, none has stop
+        strings), it is launched before this step's reports: the GPU runs it while the host reports (`ahead`)."""
+        slots = self._launch() if self.ahead is None else [s for s in self.ahead if self.running[s] is not None]
+        self.ahead = None
         if not slots:
-            if self.queue:
-                raise RuntimeError("No slot can take the next queued row: its canvas needs more KV pages than the "
-                                   "cache holds; raise max_cache_tokens.")
             return [], [0] * self.state.num_rows
-        self.engine.scheduler.per_row_sampling = any(self.running[slot].settings.sampling != self.sampling
-                                                     for slot in slots)
-        self.engine.step()
         done, nonfinite, decided, draws = self.engine.scheduler.host_view()
+        self.forwards = self.engine.scheduler.num_forwards  # read while nothing runs: no wait for the GPU
+        listening = [slot for slot in slots if self.running[slot].report or self.running[slot].stop_strings]
+        snapshot = self._snapshot(listening) if listening else None
+        if not any(done[slot] for slot in slots) and self._nothing_to_decide(slots):
+            self.engine.step()
+            self.ahead = slots
         for slot in slots:
             self._count_step(slot, nonfinite[slot])
-        if any(self.running[slot].report or self.running[slot].stop_strings for slot in slots):
-            self._report(slots, draws)
+        if listening:
+            self._report(listening, draws, snapshot)
         finished = [slot for slot in slots if done[slot] or self.running[slot].stop_at is not None]
         if finished:
             stops = self.engine.scheduler.output_end()
@@ -136,6 +142,26 @@ class RowLoop:
                 row.finish(self.engine.row_output(slot, stops, row))
                 self.engine.pages.release(slot)
         return finished, decided
+
+    def _launch(self) -> list[int]:
+        """Admit, then launch a step of the running slots (returned; none: nothing launched)."""
+        self._admit()
+        slots = [slot for slot, row in enumerate(self.running) if row is not None]
+        if not slots:
+            if self.queue:
+                raise RuntimeError("No slot can take the next queued row: its canvas needs more KV pages than the "
+                                   "cache holds; raise max_cache_tokens.")
+            return slots
+        self.engine.scheduler.per_row_sampling = any(self.running[slot].settings.sampling != self.sampling
+                                                     for slot in slots)
+        self.engine.step()
+        return slots
+
+    def _nothing_to_decide(self, slots: list[int]) -> bool:
+        """Whether the host can decide nothing between this step and the next: no queued row can take a free slot,
+        and no row can stop on a stop string (which retires it)."""
+        waiting = bool(self.queue) and len(slots) < len(self.running)
+        return not waiting and not any(self.running[slot].stop_strings for slot in slots)
 
     def _admit(self) -> None:
         """Queued rows into free slots, in order, while the pool has their pages."""
@@ -164,11 +190,17 @@ class RowLoop:
             raise RuntimeError("generate_multi_block did not finish within the steps its blocks can take: please "
                                "report this with the config and the prompt lengths.")
 
-    def _report(self, slots: list[int], draws: list[int]) -> None:
-        """Each listening row's newly committed tokens (and its draft), after cutting rows at their stop strings."""
+    def _snapshot(self, slots: list[int]) -> tuple:
+        """The slots' canvases, log-probabilities and committed ends on the host (numpy: a row's slice and list cost
+        a fraction of a tensor's, and this runs for every listening row at every step)."""
         state, ends = self.state, self.engine.scheduler.committed_end()
         index = torch.tensor(slots, device=ends.device)
-        canvas, logprob, ends = state.canvas[index].cpu(), state.logprob[index].cpu(), ends[index].tolist()
+        return state.canvas[index].cpu().numpy(), state.logprob[index].cpu().numpy(), ends[index].tolist()
+
+    def _report(self, slots: list[int], draws: list[int], snapshot: tuple) -> None:
+        """Each listening row's newly committed tokens (and its draft), after cutting rows at their stop strings; a
+        step that committed none of a row's tokens reports nothing to it (unless it asked for drafts)."""
+        canvas, logprob, ends = snapshot
         for i, slot in enumerate(slots):
             row = self.running[slot]
             start = len(row.prompt)
@@ -178,10 +210,10 @@ class RowLoop:
                 if row.stop_at is not None:
                     ready = row.stop_at
                     self.engine.retire(slot)
-            if row.report is None:
+            if row.report is None or (ready <= row.sent and not row.drafts):  # nothing new to tell
                 row.sent = max(row.sent, ready)
                 continue
-            draft = canvas[i, start: start + row.settings.max_new_tokens].clone() if row.drafts else None
+            draft = torch.tensor(canvas[i, start: start + row.settings.max_new_tokens]) if row.drafts else None
             row.report(RowProgress(canvas[i, start + row.sent: start + ready].tolist(),
                                    logprob[i, start + row.sent: start + ready].tolist(), draws[slot], draft))
             row.sent = max(row.sent, ready)
