@@ -458,3 +458,25 @@ def reachable(url) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_a_handler_behind_takes_its_rows_waiting_updates_as_one():
+    """Updates waiting in a request's queue reach its handler merged per row, in order (serve/bridge.py): a client
+    that fell behind gets one event for several steps, each row's tokens and logprobs whole, its final update last."""
+    import asyncio
+
+    from hf_blockdiff.serve.bridge import RequestRows
+
+    sent = [(0, RowUpdate([1], [-0.1], 1, None)), (0, RowUpdate([2], [-0.2], 2, None)),
+            (1, RowUpdate([5], [-0.5], 2, None)), (0, RowUpdate([3], [-0.3], 3, "length")),
+            (1, RowUpdate([], [], 3, "length"))]
+
+    async def handled():
+        rows = RequestRows(engine=None, timeout=None, metrics=None)
+        rows.running = {0, 1}
+        for item in sent:
+            rows.queue.put_nowait(item)
+        return [(i, u.tokens, u.logprobs, u.forwards, u.finish_reason) async for i, u in rows.updates()]
+
+    assert asyncio.run(handled()) == [(0, [1, 2], [-0.1, -0.2], 2, None), (1, [5], [-0.5], 2, None),
+                                      (0, [3], [-0.3], 3, "length"), (1, [], [], 3, "length")]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -24,6 +25,10 @@ from .streaming import HEADERS, MEDIA_TYPE, stream_events
 
 LOG = logging.getLogger("uvicorn.error")  # uvicorn's own log: its lines and ours in one stream
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait: rows leave the queue at every engine step
+# While serving, a thread waiting for the GIL gets it within this many seconds (Python's default: 5 ms). The engine
+# thread wakes from each step's GPU read while the event loop is busy with the streams: at the default it waited
+# milliseconds a step for the GIL (docs/benchmarks.md, "Serving under load").
+SWITCH_INTERVAL_S = 0.0002
 
 
 @dataclass(frozen=True)
@@ -46,9 +51,12 @@ def create_app(server: Server) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.engine.start()
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         try:
             yield
         finally:  # uvicorn has let the requests in flight finish (or cancelled them): cancel what is left
+            sys.setswitchinterval(switch_interval)
             await asyncio.to_thread(server.engine.close, True)
             LOG.info("hf-blockdiff serve: the engine is closed")
 
