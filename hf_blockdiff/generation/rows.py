@@ -123,8 +123,7 @@ class RowLoop:
         self.ahead = None
         if not slots:
             return [], [0] * self.state.num_rows
-        done, nonfinite, decided, draws = self.engine.scheduler.host_view()
-        self.forwards = self.engine.scheduler.num_forwards  # read while nothing runs: no wait for the GPU
+        done, nonfinite, decided, draws, self.forwards = self.engine.scheduler.host_view()
         listening = [slot for slot in slots if self.running[slot].report or self.running[slot].stop_strings]
         snapshot = self._snapshot(listening) if listening else None
         if not any(done[slot] for slot in slots) and self._nothing_to_decide(slots):

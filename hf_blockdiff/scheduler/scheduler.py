@@ -361,14 +361,15 @@ class Scheduler:
         count = torch.zeros_like(self.state.added).index_put_((request.rows,), bad.long(), accumulate=True)
         self.state.mark_nonfinite(count > 0)
 
-    def host_view(self) -> tuple[list[bool], list[int], list[int], list[int]]:
+    def host_view(self) -> tuple[list[bool], list[int], list[int], list[int], int]:
         """In one read: each slot's done flag, the forward of its first non-finite scores (-1: none), how many of
-        its generated positions are decided and its decoding steps."""
+        its generated positions are decided and its decoding steps, and the forwards so far (`num_forwards`)."""
         state = self.state
         decided = ((state.commit_step >= 0) & state.generated()).sum(-1)
-        done, nonfinite, decided, draws = torch.stack([state.done.long(), state.nonfinite, decided,
-                                                       state.draws]).tolist()
-        return [bool(flag) for flag in done], nonfinite, decided, draws
+        forwards = state.forward_index.long().expand_as(decided)
+        done, nonfinite, decided, draws, forwards = torch.stack([state.done.long(), state.nonfinite, decided,
+                                                                 state.draws, forwards]).tolist()
+        return [bool(flag) for flag in done], nonfinite, decided, draws, forwards[0]
 
     def committed_end(self) -> torch.Tensor:
         """[R] canvas end of each slot's committed output: its generated tokens decided with all before them (with
