@@ -366,7 +366,7 @@ class Scheduler:
         its generated positions are decided and its decoding steps, and the forwards so far (`num_forwards`)."""
         state = self.state
         decided = ((state.commit_step >= 0) & state.generated()).sum(-1)
-        forwards = state.forward_index.long().expand_as(decided)
+        forwards = state.forward_index.expand_as(decided)
         done, nonfinite, decided, draws, forwards = torch.stack([state.done.long(), state.nonfinite, decided,
                                                                  state.draws, forwards]).tolist()
         return [bool(flag) for flag in done], nonfinite, decided, draws, forwards[0]

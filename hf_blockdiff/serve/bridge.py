@@ -4,9 +4,10 @@
 asyncio queue per request, so a handler awaits its rows' updates without a thread of its own. The updates of a step
 (one per running row) cross in one wake-up of the loop (`LoopPost`), not one each: every wake-up is a GIL hand-over
 between the two threads, and at 128 rows those stalled the engine thread between steps. A handler that fell behind
-takes the updates waiting for its row as one (`merged`), so a slow client costs one event, not one per step. Leaving the `with` block cancels every row still running (the response is done, the client left, the
-deadline passed, the server stops): the engine frees their slots at its next step boundary and still sends each its
-final update."""
+takes the updates waiting for its row as one (`merged`), so a slow client costs one event, not one per step.
+Leaving the `with` block cancels every row still running (the response is done, the client left, the deadline
+passed, the server stops): the engine frees their slots at its next step boundary and still sends each its final
+update."""
 
 from __future__ import annotations
 
