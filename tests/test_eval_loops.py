@@ -66,6 +66,40 @@ def test_compiled_bookkeeping_compiles_nothing_after_the_first_call(qwen3, monke
     assert hits == []
 
 
+def _traced(function, dynamic):
+    """torch.compile under dynamo only (no inductor): what is traced, and when, is what a test of recompiles counts."""
+    compiled = torch.compile(function, dynamic=dynamic, backend="eager")
+
+    def traced(*args, **kwargs):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+    return traced
+
+
+def test_a_single_prompt_after_a_batch_compiles_nothing(qwen3, monkeypatch):
+    """A lone prompt's prefill and steps would be forwards of one chunk and bookkeeping of one slot, which torch.compile
+    traces apart from larger sizes: forwards hold at least two chunks and such an engine two slots, so a call of one
+    prompt after one of three copies of a prompt (which decode alike: never one row left) compiles nothing."""
+    from hf_blockdiff.fusion import mode
+    from hf_blockdiff.generation import step
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the stock layers: interpreted kernels take seconds a step
+    free_cache(qwen3)
+    torch._dynamo.reset()
+    monkeypatch.setattr(mode, "compiled_forward", lambda layer_type, dynamic: _traced(layer_type.forward, dynamic))
+    monkeypatch.setattr(step, "compiled_phase", lambda name: _traced(getattr(step.Scheduler, name), True))
+    monkeypatch.setattr(engine_module, "DecodeStep", _compiled_step)
+    cfg = BlockDiffusionConfig(**(CFG | dict(temperature=0.0)), compile=True, cuda_graphs=True)  # steps as on CUDA
+    frames = []
+    for ids in random_prompts([12], seed=0)[0].repeat(3, 1), random_prompts([5], seed=1)[0][None]:
+        before = counters["frames"]["ok"]
+        qwen3.generate_multi_block(ids, cfg)
+        frames.append(counters["frames"]["ok"] - before)
+    assert qwen3._blockdiff_engine.state.num_rows == 2
+    free_cache(qwen3)
+    assert frames[0] > 0 and frames[1] == 0, frames
+
+
 def test_compiled_layers_give_every_size_its_own_symbol(qwen3):
     """Inside `decoding_mode` with compiled layers, sizes that happen to be equal are not tied into one symbol (duck
     sizing): DiffusionGemma's compiled layers, first called with as many slots as heads, recompiled for a batch of

@@ -17,7 +17,7 @@ from ..config.checks import CANVAS_FIELDS, check_canvas_config
 from ..config.presets import DIFFUSION_GEMMA_DEFAULTS
 from .schedule import CanvasRules
 from .loop import CanvasCall, CanvasEngine, CanvasRun, CanvasStream, canvas_width
-from ..generation.engine import kept_engine, request_seeds, shape_bucket, use_graphs
+from ..generation.engine import kept_engine, least_slots, request_seeds, shape_bucket, use_graphs
 from ..fusion.mode import decoding_mode, fusion_for
 from ..generation.generate import block_output
 from ..generation.inputs import check_call, prompts_of
@@ -115,7 +115,7 @@ def generate_multi_block(self, input_ids: torch.LongTensor, config: BlockDiffusi
     stops = cfg.eos_token_id if cfg.eos_token_id is not None else getattr(generation, "eos_token_id", None)
     stops = () if stops is None else (stops,) if isinstance(stops, int) else tuple(stops)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(generation, "pad_token_id", None)
-    slots = shape_bucket(len(prompts))
+    slots = least_slots(shape_bucket(len(prompts)), cfg, lambda n: fusion_for(cfg, backend, graphs, device, self, n))
     run = CanvasRun(cfg.noise, graphs, fusion_for(cfg, backend, graphs, device, self, slots), cfg.runtime.page_size)
     seeds = request_seeds(len(prompts), generator).to(device) if cfg.noise == "counter" else None
     call = CanvasCall(cfg.max_new_tokens, stops, pad, seeds, generator)

@@ -264,9 +264,21 @@ def engine_for(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor],
     slots, pool_tokens = _cache_plan(model, cfg, prompts, width, wanted, samples, engine, device)
     if cfg.runtime.max_cache_tokens is None and engine is not None and slots < engine.state.num_rows <= wanted:
         slots = engine.state.num_rows  # already allocated: a budget measured now misses what its buffers hold
+    slots = least_slots(slots, cfg, lambda n: fusion_for(cfg, backend, use_graphs(cfg, backend, device, model), device,
+                                                         model, n))
     return kept_engine(model, lambda kept: kept.fits(cfg, slots, width, max_blocks, backend),
                        lambda: Engine(model, cfg, slots, shape_bucket(width), max_blocks, backend, device, pool_tokens,
                                       previous=engine))
+
+
+def least_slots(slots: int, cfg: BlockDiffusionConfig, fusion: Callable[[int], str]) -> int:
+    """`slots`, but 2 for one slot where torch.compile traces the layers and the bookkeeping (`fusion(1)`, the
+    layers' fusion at one slot, is "compile"): it traces a size of 1 apart from larger ones, so a single prompt after
+    batches (an eval set's last batch) would recompile them. The second slot stays idle; not where max_batch_size
+    is 1."""
+    if slots != 1 or cfg.runtime.max_batch_size == 1:
+        return slots
+    return 2 if fusion(1) == "compile" else 1
 
 
 def kept_engine(model, fits: Callable[[Any], bool], build: Callable[[], Any]):

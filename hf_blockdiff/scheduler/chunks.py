@@ -41,14 +41,19 @@ class Chunks:
         return torch.where(inside, index, 0).clamp(0, self.count * self.size - 1), inside
 
 
+LEAST_CHUNKS = 2  # torch.compile specializes a size of 1: compiled layers meeting a forward of one chunk recompile
+
+
 def plan_chunks(start: torch.Tensor, end: torch.Tensor, size: int, capacity: int | None = None) -> Chunks:
     """Cut each slot's span [start, end) into chunks of `size`; `capacity` fixes the number of chunks (static shapes,
-    no host sync; it must cover the spans), None uses exactly as many as needed."""
+    no host sync; it must cover the spans), None uses as many as needed, and at least `LEAST_CHUNKS`: a prefill of
+    one admitted row's prompt or a step of one row left would otherwise recompile compiled layers mid-call
+    (automatic-dynamic shapes assume sizes of at least 2; one recompile held a served batch for 4 s on an H200)."""
     lengths = (end - start).clamp(min=0)
     counts = (lengths + size - 1) // size
     cumulative = counts.cumsum(0)
     first = cumulative - counts
-    total = int(cumulative[-1]) if capacity is None else capacity
+    total = max(int(cumulative[-1]), LEAST_CHUNKS) if capacity is None else capacity
     chunk = torch.arange(max(total, 1), device=start.device)
     rows = torch.searchsorted(cumulative, chunk, right=True).clamp(max=len(start) - 1)
     real = chunk < cumulative[-1]
