@@ -1,13 +1,14 @@
 """Load on `hf-blockdiff serve`: `python benchmarks/serve_load.py [--shape sdar-4b | --model DIR] [--clients 128]
-[--min-prompt 64] [--max-prompt 512] [--new-tokens 256] [--device cuda] [--dtype bfloat16]` serves the model in this
-process (uvicorn in a thread over a LiveEngine of --clients slots); a process of its own, as a server's clients are,
-sends --clients concurrent streamed completions of random prompts of mixed lengths (no stop token: every row runs
---new-tokens), once to warm up and once timed, then
-decodes the same prompts offline with `generate_multi_block` at batch --clients (also warmed up). Prints a table and
-one JSON line: served and offline tokens/s and their ratio, p50/p99 time to the first committed token and per request,
-and how many served completions differ from the offline batch's row of the same prompt (`--batch-invariant`: decode
-with RuntimeOptions.batch_invariant, under which none may; without it the count is only reported). Random weights
-have no tokenizer: the server decodes ids with a stand-in one character per id, which maps its text back to ids."""
+[--min-prompt 64] [--max-prompt 512] [--new-tokens 256] [--rounds 2] [--device cuda] [--dtype bfloat16]` serves the
+model in this process (uvicorn in a thread over a LiveEngine of --clients slots); a process of its own, as a server's
+clients are, sends --clients concurrent streamed completions of random prompts of mixed lengths (no stop token: every
+row runs --new-tokens), once to warm up and --rounds times timed (a round can still meet chunk counts, so graphs, that
+the ones before did not), then decodes the same prompts offline with `generate_multi_block` at batch --clients (also
+warmed up). Prints a table and one JSON line: served tokens/s of each timed round and their median, offline tokens/s
+and the ratios, the last round's p50/p99 time to the first committed token and per request, and how many served
+completions differ from the offline batch's row of the same prompt (`--batch-invariant`: decode with
+RuntimeOptions.batch_invariant, under which none may; without it the count is only reported). Random weights have no
+tokenizer: the server decodes ids with a stand-in one character per id, which maps its text back to ids."""
 
 import argparse
 import asyncio
@@ -88,18 +89,18 @@ async def load(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[lis
         return results, time.perf_counter() - began
 
 
-def clients(url: str, prompts: list[list[int]], new_tokens: int, results) -> None:
-    """The clients' process: a warm-up round (the server compiles and captures), then the timed one, sent back."""
+def clients(url: str, prompts: list[list[int]], new_tokens: int, rounds: int, results) -> None:
+    """The clients' process: a warm-up round (the server compiles and captures), then the timed ones, sent back."""
     asyncio.run(load(url, prompts, new_tokens))
-    results.send(asyncio.run(load(url, prompts, new_tokens)))
+    results.send([asyncio.run(load(url, prompts, new_tokens)) for _ in range(rounds)])
 
 
-def served(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[list[dict], float]:
-    """The timed round of `clients`, run in a spawned process: the clients' JSON and HTTP work takes no GIL time
+def served(url: str, prompts: list[list[int]], new_tokens: int, rounds: int) -> list[tuple[list[dict], float]]:
+    """The timed rounds of `clients`, run in a spawned process: the clients' JSON and HTTP work takes no GIL time
     from the server's threads."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=clients, args=(url, prompts, new_tokens, send), daemon=True)
+    process = context.Process(target=clients, args=(url, prompts, new_tokens, rounds, send), daemon=True)
     process.start()
     try:
         while not receive.poll(1.0):
@@ -131,7 +132,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, default in (("clients", 128), ("min-prompt", 64), ("max-prompt", 512), ("new-tokens", 256)):
+    for name, default in (("clients", 128), ("min-prompt", 64), ("max-prompt", 512), ("new-tokens", 256),
+                          ("rounds", 2)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--shape", default="sdar-4b")
     parser.add_argument("--model", default=None, help="a checkpoint directory (default: random weights of --shape)")
@@ -150,35 +152,40 @@ def main() -> None:
     server, thread, url = serve_in_thread(create_app(Server(engine, tokenizer, "load", limits,
                                                             max_queue=args.clients, request_timeout=3600)))
     try:
-        results, served_s = served(url, prompts, args.new_tokens)
+        rounds = served(url, prompts, args.new_tokens, args.rounds)
     finally:
         server.should_exit = True
         thread.join()
     offline(model, prompts, cfg)  # warm-up
     offline_tokens, offline_s, rows = offline(model, prompts, cfg)
-    differing = sum(tokenizer.ids(result["text"]) != row for result, row in zip(results, rows))
-    report(args, results, served_s, offline_tokens, offline_s, differing)
+    differing = sum(tokenizer.ids(result["text"]) != row
+                    for results, _ in rounds for result, row in zip(results, rows))
+    report(args, rounds, offline_tokens, offline_s, differing)
 
 
-def report(args, results: list[dict], served_s: float, offline_tokens: int, offline_s: float,
+def report(args, rounds: list[tuple[list[dict], float]], offline_tokens: int, offline_s: float,
            differing: int) -> None:
-    served_tok_s = sum(r["tokens"] for r in results) / served_s
+    each = [sum(r["tokens"] for r in results) / seconds for results, seconds in rounds]
+    results, served_tok_s = rounds[-1][0], statistics.median(each)
     offline_tok_s = offline_tokens / offline_s
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     latency = [r["seconds"] for r in results]
     summary = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                "shape": args.model or args.shape, "clients": args.clients, "prompt_tokens": [args.min_prompt,
                args.max_prompt], "new_tokens": args.new_tokens, "served_tok_s": round(served_tok_s, 1),
-               "offline_tok_s": round(offline_tok_s, 1), "served_over_offline": round(served_tok_s / offline_tok_s, 3),
+               "offline_tok_s": round(offline_tok_s, 1), "served_tok_s_each_round": [round(x, 1) for x in each],
+               "served_over_offline_each_round": [round(x / offline_tok_s, 3) for x in each],
+               "served_over_offline": round(served_tok_s / offline_tok_s, 3),
                "ttft_p50_s": round(statistics.median(ttft), 3), "ttft_p99_s": round(percentile(ttft, 99), 3),
                "request_p50_s": round(statistics.median(latency), 3),
                "request_p99_s": round(percentile(latency, 99), 3), "batch_invariant": args.batch_invariant,
                "rows_differing_from_offline": differing}
-    print(f"tokens/s                 served {served_tok_s:.1f}, offline {offline_tok_s:.1f} (served / offline "
-          f"{summary['served_over_offline']:.3f})")
+    ratios = ", ".join(map(str, summary["served_over_offline_each_round"]))
+    print(f"tokens/s                 served {', '.join(f'{x:.1f}' for x in each)} (rounds), offline "
+          f"{offline_tok_s:.1f} (served / offline {ratios}; median {summary['served_over_offline']:.3f})")
     print(f"first committed token    p50 {summary['ttft_p50_s']:.3f} s, p99 {summary['ttft_p99_s']:.3f} s")
     print(f"request                  p50 {summary['request_p50_s']:.3f} s, p99 {summary['request_p99_s']:.3f} s")
-    print(f"served != offline        {differing} of {len(results)} rows"
+    print(f"served != offline        {differing} of {len(results) * len(rounds)} rows (all rounds)"
           + (" (batch_invariant: must be 0)" if args.batch_invariant else ""))
     print(json.dumps(summary))
     if args.batch_invariant and differing:

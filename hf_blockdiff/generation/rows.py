@@ -81,6 +81,7 @@ class RowLoop:
         self.sampling = SlotSettings.of(engine.cfg).sampling  # the config's: rows sampling so take the fused path
         self.ahead: list[int] | None = None  # the slots of a step launched before the host reported the one before
         self.forwards = 0  # the engine's forwards when the last step this loop consumed ended
+        self._host: tuple | None = None  # `_snapshot`'s host buffers (pinned on CUDA), made at its first use
         engine.start_call()
 
     def restart(self) -> None:
@@ -123,9 +124,9 @@ class RowLoop:
         self.ahead = None
         if not slots:
             return [], [0] * self.state.num_rows
-        done, nonfinite, decided, draws, self.forwards = self.engine.scheduler.host_view()
         listening = [slot for slot in slots if self.running[slot].report or self.running[slot].stop_strings]
-        snapshot = self._snapshot(listening) if listening else None
+        snapshot = self._snapshot() if listening else None
+        done, nonfinite, decided, draws, self.forwards = self.engine.scheduler.host_view()
         if not any(done[slot] for slot in slots) and self._nothing_to_decide(slots):
             self.engine.step()
             self.ahead = slots
@@ -189,32 +190,38 @@ class RowLoop:
             raise RuntimeError("generate_multi_block did not finish within the steps its blocks can take: please "
                                "report this with the config and the prompt lengths.")
 
-    def _snapshot(self, slots: list[int]) -> tuple:
-        """The slots' canvases, log-probabilities and committed ends on the host (numpy: a row's slice and list cost
-        a fraction of a tensor's, and this runs for every listening row at every step)."""
+    def _snapshot(self) -> tuple:
+        """Every slot's canvas, log-probabilities and committed end, as numpy views of host buffers the copies fill
+        behind the step (queued before `host_view`, whose read waits for them: no read of their own). Numpy, since a
+        row's slice and list cost a fraction of a tensor's, and this runs at every step someone listens to."""
         state, ends = self.state, self.engine.scheduler.committed_end()
-        index = torch.tensor(slots, device=ends.device)
-        return state.canvas[index].cpu().numpy(), state.logprob[index].cpu().numpy(), ends[index].tolist()
+        if self._host is None:
+            pinned = state.canvas.is_cuda
+            self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+                               for t in (state.canvas, state.logprob, ends))
+        for host, device in zip(self._host, (state.canvas, state.logprob, ends)):
+            host.copy_(device, non_blocking=True)
+        return tuple(host.numpy() for host in self._host)
 
     def _report(self, slots: list[int], draws: list[int], snapshot: tuple) -> None:
         """Each listening row's newly committed tokens (and its draft), after cutting rows at their stop strings; a
         step that committed none of a row's tokens reports nothing to it (unless it asked for drafts)."""
         canvas, logprob, ends = snapshot
-        for i, slot in enumerate(slots):
+        for slot in slots:
             row = self.running[slot]
             start = len(row.prompt)
-            ready = ends[i] - start
+            ready = int(ends[slot]) - start
             if row.stop_strings is not None and ready > row.sent:
-                row.stop_at = row.stop_strings.find(canvas[i, start: start + ready].tolist(), row.sent)
+                row.stop_at = row.stop_strings.find(canvas[slot, start: start + ready].tolist(), row.sent)
                 if row.stop_at is not None:
                     ready = row.stop_at
                     self.engine.retire(slot)
             if row.report is None or (ready <= row.sent and not row.drafts):  # nothing new to tell
                 row.sent = max(row.sent, ready)
                 continue
-            draft = torch.tensor(canvas[i, start: start + row.settings.max_new_tokens]) if row.drafts else None
-            row.report(RowProgress(canvas[i, start + row.sent: start + ready].tolist(),
-                                   logprob[i, start + row.sent: start + ready].tolist(), draws[slot], draft))
+            draft = torch.tensor(canvas[slot, start: start + row.settings.max_new_tokens]) if row.drafts else None
+            row.report(RowProgress(canvas[slot, start + row.sent: start + ready].tolist(),
+                                   logprob[slot, start + row.sent: start + ready].tolist(), draws[slot], draft))
             row.sent = max(row.sent, ready)
 
 
