@@ -8,16 +8,13 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput
 
-from ..attention import resolve_backend
 from ..config import BlockDiffusionConfig
 from ..config.checks import check_block_config
 from ..config.profiles import model_profile
-from ..fusion.invariant import check_batch_invariant
-from ..weights.quantization import check_quantization
-from ..weights.tensor_parallel import check_tensor_parallel, sharded_decoding
+from ..weights.tensor_parallel import sharded_decoding
 from .engine import Results, engine_for, request_seeds
 from .hf_conventions import call_arguments, merged_config
-from .inputs import check_call, check_lengths, prompts_of
+from .inputs import check_call, check_lengths, decoding_backend, prompts_of
 from .rows import RowProgress
 from .stop_strings import StopStrings
 
@@ -84,11 +81,7 @@ def generate_multi_block(
     check_call(cfg, device, generator, streamer)
     check_lengths(self, prompts, cfg)
     samples = _check_samples(call["num_return_sequences"], streamer)
-    check_quantization(self)
-    check_tensor_parallel(self)
-    backend = resolve_backend(cfg.runtime.attention_backend, device, cfg.block_size, cfg.runtime.page_size,
-                              cfg.runtime.batch_invariant)
-    check_batch_invariant(self, backend)
+    backend = decoding_backend(self, cfg, device)
     stops = None if call["stop_strings"] is None else StopStrings(call["stop_strings"], call["tokenizer"])
     stream = _TokenStream(streamer, input_ids, cfg) if streamer is not None else None
     groups = [group for group in range(len(prompts)) for _ in range(samples)]

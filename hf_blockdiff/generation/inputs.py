@@ -9,9 +9,13 @@ from __future__ import annotations
 import torch
 from transformers.utils import logging
 
+from ..attention import AttentionBackend, resolve_backend
 from ..config import BlockDiffusionConfig
 from ..config.checks import fail
+from ..fusion.invariant import check_batch_invariant
 from ..kernels import TRITON_AVAILABLE
+from ..weights.quantization import check_quantization
+from ..weights.tensor_parallel import check_tensor_parallel
 from .engine import plan_shapes
 
 logger = logging.get_logger(__name__)
@@ -80,6 +84,17 @@ def check_lengths(model, prompts: list[torch.Tensor], cfg: BlockDiffusionConfig)
             f"The longest prompt plus max_new_tokens={cfg.max_new_tokens} (rounded up to whole blocks: {longest} "
             f"positions) exceeds the model's max_position_embeddings={limit}: lower max_new_tokens or shorten the prompt."
         )
+
+
+def decoding_backend(model, cfg: BlockDiffusionConfig, device: torch.device) -> AttentionBackend:
+    """The attention backend `model` decodes `cfg` with on `device`, after the model checks every call and live
+    engine makes: its quantized weights, its tensor-parallel layout, and what batch-invariant decoding covers."""
+    check_quantization(model)
+    check_tensor_parallel(model)
+    backend = resolve_backend(cfg.runtime.attention_backend, device, cfg.block_size, cfg.runtime.page_size,
+                              cfg.runtime.batch_invariant)
+    check_batch_invariant(model, backend)
+    return backend
 
 
 def check_call(cfg: BlockDiffusionConfig, device: torch.device, generator, streamer) -> None:

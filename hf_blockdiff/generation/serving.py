@@ -10,17 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import AttentionBackend, resolve_backend
+from ..attention import AttentionBackend
 from ..config import BlockDiffusionConfig
 from ..config.checks import check_block_config, is_int, is_number
 from ..config.profiles import model_profile
-from ..fusion.invariant import check_batch_invariant
 from ..scheduler.settings import SlotSettings
 from ..strategies import STRATEGIES
-from ..weights.quantization import check_quantization
-from ..weights.tensor_parallel import check_tensor_parallel, sharded_decoding
+from ..weights.tensor_parallel import sharded_decoding
 from .hf_conventions import merged_config
-from .inputs import check_call, check_lengths
+from .inputs import check_call, check_lengths, decoding_backend
 
 
 @dataclass(frozen=True)
@@ -53,11 +51,7 @@ class ServingLimits:
         device = next(model.parameters()).device
         check_call(cfg, device, None, None)
         check_lengths(model, [torch.zeros(length, dtype=torch.long) for length in (1, max_prompt_tokens)], cfg)
-        check_quantization(model)
-        check_tensor_parallel(model)
-        backend = resolve_backend(cfg.runtime.attention_backend, device, cfg.block_size, cfg.runtime.page_size,
-                                  cfg.runtime.batch_invariant)
-        check_batch_invariant(model, backend)
+        backend = decoding_backend(model, cfg, device)
         return cls(cfg, backend, device, max_batch_size, max_prompt_tokens, vocab)
 
     @contextmanager
