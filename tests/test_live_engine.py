@@ -261,3 +261,37 @@ def test_steps_launched_ahead_of_the_reports_change_nothing(model, monkeypatch):
     for name in ("sequences", "commit_step", "logprobs"):
         assert torch.equal(getattr(launched, name), getattr(after, name)), name
     assert launched.num_forwards == after.num_forwards
+
+
+def first_admission(model, monkeypatch, gap_s, pause_s, rows=2, slots=4):
+    """An idle engine given `rows` rows, `pause_s` apart, with burst gap `gap_s`: (rows the first step held, seconds
+    from the last submission to that step)."""
+    from hf_blockdiff.generation import live
+
+    monkeypatch.setattr(live, "BURST_GAP_S", gap_s)
+    monkeypatch.setattr(live, "BURST_MAX_S", 10 * gap_s)
+    engine = LiveEngine(model, CFG, max_batch_size=slots, max_prompt_tokens=8, max_new_tokens=4)
+    engine.start()
+    while engine._loop is None:
+        time.sleep(0.01)
+    loop, seen = engine._loop, []
+    advance = loop.advance
+    monkeypatch.setattr(loop, "advance", lambda: seen.append((len(loop.queue), time.monotonic())) or advance())
+    collectors = [Collector() for _ in range(rows)]
+    for i, collector in enumerate(collectors):
+        time.sleep(pause_s if i else 0)
+        engine.submit([1 + i, 2, 3], RowSettings(max_new_tokens=4, seed=i), collector)
+        submitted = time.monotonic()
+    for collector in collectors:
+        assert collector.final().finish_reason in ("stop", "length")
+    engine.close()
+    return seen[0][0], seen[0][1] - submitted
+
+
+def test_an_idle_engine_admits_a_burst_at_once(model, monkeypatch):
+    """Rows arriving within the burst gap of each other join the idle engine's first admission; a row arriving after
+    the gap waits for the next; a full batch starts without waiting out the gap."""
+    assert first_admission(model, monkeypatch, gap_s=1.0, pause_s=0.3)[0] == 2
+    assert first_admission(model, monkeypatch, gap_s=0.05, pause_s=0.5)[0] == 1
+    held, waited = first_admission(model, monkeypatch, gap_s=5.0, pause_s=0.0, rows=2, slots=2)
+    assert held == 2 and waited < 2.0
