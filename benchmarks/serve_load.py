@@ -12,6 +12,7 @@ tokenizer: the server decodes ids with a stand-in one character per id, which ma
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import statistics
@@ -84,9 +85,9 @@ async def load(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[lis
     import httpx
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(prompts)), timeout=None) as client:
-        began = time.perf_counter()
+        began, wall = time.perf_counter(), time.time()
         results = await asyncio.gather(*(one_request(client, url, p, new_tokens) for p in prompts))
-        return results, time.perf_counter() - began
+        return results, time.perf_counter() - began, (wall, time.time())
 
 
 def clients(url: str, prompts: list[list[int]], new_tokens: int, rounds: int, results) -> None:
@@ -95,7 +96,26 @@ def clients(url: str, prompts: list[list[int]], new_tokens: int, rounds: int, re
     results.send([asyncio.run(load(url, prompts, new_tokens)) for _ in range(rounds)])
 
 
-def served(url: str, prompts: list[list[int]], new_tokens: int, rounds: int) -> list[tuple[list[dict], float]]:
+class Collections:
+    """This process's garbage collections: (generation, wall-clock start, seconds paused)."""
+
+    def __init__(self):
+        self.events, self._began = [], 0.0
+        gc.callbacks.append(self._record)
+
+    def _record(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.time()
+        else:
+            self.events.append((info["generation"], self._began, time.time() - self._began))
+
+    def within(self, span: tuple[float, float]) -> tuple[float, int]:
+        """(seconds paused, collections of the oldest generation) in the wall-clock `span`."""
+        inside = [(generation, seconds) for generation, start, seconds in self.events if span[0] <= start <= span[1]]
+        return sum(seconds for _, seconds in inside), sum(generation == 2 for generation, _ in inside)
+
+
+def served(url: str, prompts: list[list[int]], new_tokens: int, rounds: int) -> list[tuple[list[dict], float, tuple]]:
     """The timed rounds of `clients`, run in a spawned process: the clients' JSON and HTTP work takes no GIL time
     from the server's threads."""
     context = multiprocessing.get_context("spawn")
@@ -149,6 +169,7 @@ def main() -> None:
                         max_new_tokens=args.new_tokens)
     limits = Limits(args.max_prompt, args.new_tokens)
     tokenizer = IdTokenizer()
+    collections = Collections()
     server, thread, url = serve_in_thread(create_app(Server(engine, tokenizer, "load", limits,
                                                             max_queue=args.clients, request_timeout=3600)))
     try:
@@ -159,13 +180,14 @@ def main() -> None:
     offline(model, prompts, cfg)  # warm-up
     offline_tokens, offline_s, rows = offline(model, prompts, cfg)
     differing = sum(tokenizer.ids(result["text"]) != row
-                    for results, _ in rounds for result, row in zip(results, rows))
-    report(args, rounds, offline_tokens, offline_s, differing)
+                    for results, _, _ in rounds for result, row in zip(results, rows))
+    pauses = [collections.within(span) for _, _, span in rounds]
+    report(args, rounds, offline_tokens, offline_s, differing, pauses)
 
 
-def report(args, rounds: list[tuple[list[dict], float]], offline_tokens: int, offline_s: float,
-           differing: int) -> None:
-    each = [sum(r["tokens"] for r in results) / seconds for results, seconds in rounds]
+def report(args, rounds: list[tuple[list[dict], float, tuple]], offline_tokens: int, offline_s: float,
+           differing: int, pauses: list[tuple[float, int]]) -> None:
+    each = [sum(r["tokens"] for r in results) / seconds for results, seconds, _ in rounds]
     results, served_tok_s = rounds[-1][0], statistics.median(each)
     offline_tok_s = offline_tokens / offline_s
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
@@ -179,12 +201,16 @@ def report(args, rounds: list[tuple[list[dict], float]], offline_tokens: int, of
                "ttft_p50_s": round(statistics.median(ttft), 3), "ttft_p99_s": round(percentile(ttft, 99), 3),
                "request_p50_s": round(statistics.median(latency), 3),
                "request_p99_s": round(percentile(latency, 99), 3), "batch_invariant": args.batch_invariant,
-               "rows_differing_from_offline": differing}
+               "rows_differing_from_offline": differing,
+               "gc_pause_s_each_round": [round(seconds, 3) for seconds, _ in pauses],
+               "gc_oldest_generation_each_round": [count for _, count in pauses]}
     ratios = ", ".join(map(str, summary["served_over_offline_each_round"]))
     print(f"tokens/s                 served {', '.join(f'{x:.1f}' for x in each)} (rounds), offline "
           f"{offline_tok_s:.1f} (served / offline {ratios}; median {summary['served_over_offline']:.3f})")
     print(f"first committed token    p50 {summary['ttft_p50_s']:.3f} s, p99 {summary['ttft_p99_s']:.3f} s")
     print(f"request                  p50 {summary['request_p50_s']:.3f} s, p99 {summary['request_p99_s']:.3f} s")
+    print("garbage collection       " + ", ".join(f"{seconds:.3f} s ({count} of the oldest generation)"
+                                                  for seconds, count in pauses) + " (rounds, server process)")
     print(f"served != offline        {differing} of {len(results) * len(rounds)} rows (all rounds)"
           + (" (batch_invariant: must be 0)" if args.batch_invariant else ""))
     print(json.dumps(summary))
