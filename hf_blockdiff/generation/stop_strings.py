@@ -14,13 +14,14 @@ class StopStrings:
         if not isinstance(strings, (tuple, list)) or not strings or not all(isinstance(s, str) and s for s in strings):
             raise ValueError(f"stop_strings={strings!r}: pass a string or a list of non-empty strings.")
         self.strings, self.tokenizer = tuple(strings), tokenizer
-        self.window = max(len(s) for s in self.strings)  # tokens before the new ones that may start a match
+        # tokens before the new ones that may start a match: a token holds at least one byte of text (byte-level
+        # tokenizers split a character over several tokens), so a match spans at most as many tokens as it has bytes
+        self.window = max(len(s.encode("utf-8")) for s in self.strings)
 
     def find(self, tokens: list[int], checked: int) -> int | None:
         """How many of the committed `tokens` run through the first one completing a stop string, looking only at
-        matches that end after the first `checked` (already searched) tokens; None: no stop string yet. A token
-        decodes to at least one character, so a match ending in the new tokens starts within `window` tokens
-        before them."""
+        matches that end after the first `checked` (already searched) tokens; None: no stop string yet. A match
+        ending in the new tokens starts within `window` tokens before them."""
         start = max(0, checked - self.window)
         if not self._holds(tokens[start:]):
             return None
