@@ -7,12 +7,13 @@ the ones before did not), then decodes the same prompts offline with `generate_m
 warmed up). Prints a table and one JSON line: served tokens/s of each timed round and their median, offline tokens/s
 and the ratios, the last round's p50/p99 time to the first committed token and per request, and how many served
 completions differ from the offline batch's row of the same prompt (`--batch-invariant`: decode with
-RuntimeOptions.batch_invariant, under which none may; without it the count is only reported). Random weights have no
+RuntimeOptions.batch_invariant, under which none may; without it the count is only reported); per round, where the
+server's time went (serve_timeline.py: the engine's steps and the time between them, thread wake-up lag, garbage
+collections). Random weights have no
 tokenizer: the server decodes ids with a stand-in one character per id, which maps its text back to ids."""
 
 import argparse
 import asyncio
-import gc
 import json
 import multiprocessing
 import statistics
@@ -27,6 +28,7 @@ from hf_blockdiff.integrations.completions import left_padded
 from hf_blockdiff.serve.admission import Limits
 from hf_blockdiff.serve.app import Server, create_app
 from hf_blockdiff.tools.bench_models import build_model, prompt_ceiling
+from serve_timeline import Collections, StepTimeline
 
 
 class IdTokenizer:
@@ -96,25 +98,6 @@ def clients(url: str, prompts: list[list[int]], new_tokens: int, rounds: int, re
     results.send([asyncio.run(load(url, prompts, new_tokens)) for _ in range(rounds)])
 
 
-class Collections:
-    """This process's garbage collections: (generation, wall-clock start, seconds paused)."""
-
-    def __init__(self):
-        self.events, self._began = [], 0.0
-        gc.callbacks.append(self._record)
-
-    def _record(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._began = time.time()
-        else:
-            self.events.append((info["generation"], self._began, time.time() - self._began))
-
-    def within(self, span: tuple[float, float]) -> tuple[float, int]:
-        """(seconds paused, collections of the oldest generation) in the wall-clock `span`."""
-        inside = [(generation, seconds) for generation, start, seconds in self.events if span[0] <= start <= span[1]]
-        return sum(seconds for _, seconds in inside), sum(generation == 2 for generation, _ in inside)
-
-
 def served(url: str, prompts: list[list[int]], new_tokens: int, rounds: int) -> list[tuple[list[dict], float, tuple]]:
     """The timed rounds of `clients`, run in a spawned process: the clients' JSON and HTTP work takes no GIL time
     from the server's threads."""
@@ -169,7 +152,7 @@ def main() -> None:
                         max_new_tokens=args.new_tokens)
     limits = Limits(args.max_prompt, args.new_tokens)
     tokenizer = IdTokenizer()
-    collections = Collections()
+    collections, timeline = Collections(), StepTimeline(engine)
     server, thread, url = serve_in_thread(create_app(Server(engine, tokenizer, "load", limits,
                                                             max_queue=args.clients, request_timeout=3600)))
     try:
@@ -182,11 +165,11 @@ def main() -> None:
     differing = sum(tokenizer.ids(result["text"]) != row
                     for results, _, _ in rounds for result, row in zip(results, rows))
     pauses = [collections.within(span) for _, _, span in rounds]
-    report(args, rounds, offline_tokens, offline_s, differing, pauses)
+    report(args, rounds, offline_tokens, offline_s, differing, pauses, [timeline.within(span) for _, _, span in rounds])
 
 
 def report(args, rounds: list[tuple[list[dict], float, tuple]], offline_tokens: int, offline_s: float,
-           differing: int, pauses: list[tuple[float, int]]) -> None:
+           differing: int, pauses: list[tuple[float, int]], steps: list[dict]) -> None:
     each = [sum(r["tokens"] for r in results) / seconds for results, seconds, _ in rounds]
     results, served_tok_s = rounds[-1][0], statistics.median(each)
     offline_tok_s = offline_tokens / offline_s
@@ -203,7 +186,7 @@ def report(args, rounds: list[tuple[list[dict], float, tuple]], offline_tokens: 
                "request_p99_s": round(percentile(latency, 99), 3), "batch_invariant": args.batch_invariant,
                "rows_differing_from_offline": differing,
                "gc_pause_s_each_round": [round(seconds, 3) for seconds, _ in pauses],
-               "gc_oldest_generation_each_round": [count for _, count in pauses]}
+               "gc_oldest_generation_each_round": [count for _, count in pauses], "engine_each_round": steps}
     ratios = ", ".join(map(str, summary["served_over_offline_each_round"]))
     print(f"tokens/s                 served {', '.join(f'{x:.1f}' for x in each)} (rounds), offline "
           f"{offline_tok_s:.1f} (served / offline {ratios}; median {summary['served_over_offline']:.3f})")
@@ -211,6 +194,11 @@ def report(args, rounds: list[tuple[list[dict], float, tuple]], offline_tokens: 
     print(f"request                  p50 {summary['request_p50_s']:.3f} s, p99 {summary['request_p99_s']:.3f} s")
     print("garbage collection       " + ", ".join(f"{seconds:.3f} s ({count} of the oldest generation)"
                                                   for seconds, count in pauses) + " (rounds, server process)")
+    for i, one in enumerate(steps):
+        print(f"engine, round {i + 1}          {one['steps']} steps: {one['in_steps_s']:.3f} s in them, "
+              f"{one['between_steps_s']:.3f} s between (longest {one['longest_gap_ms']:.1f} ms), "
+              f"{one['before_first_step_ms']} ms before the first, {one['after_last_step_ms']} ms after the last; "
+              f"a 2 ms sleeper woke up to {one['wake_lag_p99_ms']:.2f} ms late (p99)")
     print(f"served != offline        {differing} of {len(results) * len(rounds)} rows (all rounds)"
           + (" (batch_invariant: must be 0)" if args.batch_invariant else ""))
     print(json.dumps(summary))
