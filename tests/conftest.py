@@ -1,5 +1,6 @@
 import functools
 import os
+import threading
 import types
 
 import pytest
@@ -22,6 +23,49 @@ def _run_test(test, kwargs):
 # backends"). A frame declaring a 1 MiB stack gets a 2 MiB chunk of its own, and the test runs in the spare MiB above
 # it, far from any edge.
 _run_test_with_headroom = types.FunctionType(_run_test.__code__.replace(co_stacksize=1 << 17), {})
+
+
+def _patch_the_language_once_a_launch() -> None:
+    """Triton's interpreter patches triton.language's builtins for a launch, and patches them again (an
+    inspect.getmembers over its modules, never undone) on every call of a @triton.jit helper inside the kernel, while
+    the launch's patch is in place: most of an interpreted test's time (docs/kernels.md, "Kernels and backends").
+    Inside a launch, a helper's call finds the language patched and patches nothing."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch, executor = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if patch is None or executor is None or not hasattr(scope_type, "restore"):
+        return  # another interpreter than the one this was written for: leave it as it is
+    state, run = threading.local(), executor.__call__
+    languages = (interpreter.tl, interpreter.tl.core)
+
+    def patch_once(fn):
+        wanted = {id(value) for value in fn.__globals__.values() if any(value is lang for lang in languages)}
+        patched = getattr(state, "patched", None)
+        if patched is not None and wanted <= patched:  # a helper's call inside a launch, its language patched
+            return scope_type()
+        scope = patch(fn)
+        if getattr(state, "launching", False):  # the launch's own patch, undone when the launch ends
+            restore, state.patched, state.launching = scope.restore, set(wanted), False
+            scope.restore = lambda: (setattr(state, "patched", None), restore())
+        elif patched is not None:  # a helper's patch of another module (triton's standard library sees tl.core)
+            patched |= wanted
+        return scope
+
+    def launch(self, *args, **kwargs):
+        state.launching = True
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            state.launching, state.patched = False, None
+
+    interpreter._patch_lang, executor.__call__ = patch_once, launch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once_a_launch()
 
 
 @pytest.hookimpl(wrapper=True)
