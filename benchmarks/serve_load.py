@@ -9,8 +9,8 @@ and the ratios, the last round's p50/p99 time to the first committed token and p
 completions differ from the offline batch's row of the same prompt (`--batch-invariant`: decode with
 RuntimeOptions.batch_invariant, under which none may; without it the count is only reported); per round, where the
 server's time went (serve_timeline.py: the engine's steps and the time between them, thread wake-up lag, garbage
-collections). Random weights have no
-tokenizer: the server decodes ids with a stand-in one character per id, which maps its text back to ids."""
+collections). Random weights have no tokenizer: the server decodes ids with a stand-in one character per id, which
+maps its text back to ids."""
 
 import argparse
 import asyncio
@@ -28,7 +28,7 @@ from hf_blockdiff.integrations.completions import left_padded
 from hf_blockdiff.serve.admission import Limits
 from hf_blockdiff.serve.app import Server, create_app
 from hf_blockdiff.tools.bench_models import build_model, prompt_ceiling
-from serve_timeline import Collections, StepTimeline
+from serve_timeline import Collections, StepTimeline, percentile
 
 
 class IdTokenizer:
@@ -126,11 +126,6 @@ def offline(model, prompts: list[list[int]], cfg: BlockDiffusionConfig) -> tuple
     seconds = time.perf_counter() - began
     rows = [row[step >= 0].tolist() for row, step in zip(out.sequences[:, ids.shape[1]:].cpu(), out.commit_step.cpu())]
     return int((out.commit_step >= 0).sum()), seconds, rows
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def main() -> None:

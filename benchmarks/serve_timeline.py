@@ -8,6 +8,11 @@ import threading
 import time
 
 
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
 class Collections:
     """This process's garbage collections: (generation, wall-clock start, seconds paused)."""
 
@@ -53,10 +58,10 @@ class StepTimeline:
     def within(self, span: tuple[float, float]) -> dict:
         steps = [(start, end) for start, end in self.steps if span[0] <= start <= span[1]]
         gaps = [later[0] - earlier[1] for earlier, later in zip(steps, steps[1:])]
-        lags = sorted(lag for start, lag in self.wakes if span[0] <= start <= span[1]) or [0.0]
+        lags = [lag for start, lag in self.wakes if span[0] <= start <= span[1]] or [0.0]
         return {"steps": len(steps), "in_steps_s": round(sum(end - start for start, end in steps), 3),
                 "between_steps_s": round(sum(gaps), 3), "longest_gap_ms": round(1e3 * max(gaps, default=0.0), 1),
-                "wake_lag_p99_ms": round(1e3 * lags[min(len(lags) - 1, round(0.99 * (len(lags) - 1)))], 2),
+                "wake_lag_p99_ms": round(1e3 * percentile(lags, 99), 2),
                 "wake_lag_median_ms": round(1e3 * statistics.median(lags), 2),
                 "before_first_step_ms": round(1e3 * (steps[0][0] - span[0]), 1) if steps else None,
                 "after_last_step_ms": round(1e3 * (span[1] - steps[-1][1]), 1) if steps else None}
