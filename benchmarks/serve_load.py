@@ -1,16 +1,19 @@
 """Load on `hf-blockdiff serve`: `python benchmarks/serve_load.py [--shape sdar-4b | --model DIR] [--clients 128]
-[--min-prompt 64] [--max-prompt 512] [--new-tokens 256] [--rounds 2] [--device cuda] [--dtype bfloat16]` serves the
-model in this process (uvicorn in a thread over a LiveEngine of --clients slots); a process of its own, as a server's
-clients are, sends --clients concurrent streamed completions of random prompts of mixed lengths (no stop token: every
-row runs --new-tokens), once to warm up and --rounds times timed (a round can still meet chunk counts, so graphs, that
+[--client-processes 4] [--min-prompt 64] [--max-prompt 512] [--new-tokens 256] [--rounds 2] [--device cuda]
+[--dtype bfloat16]` serves the model in this process (uvicorn in a thread over a LiveEngine of --clients slots);
+--client-processes processes of their own, as a server's clients are, send --clients concurrent streamed completions
+of random prompts of mixed lengths between them (no stop token: every row runs --new-tokens), once to warm up and
+--rounds times timed, each round begun by every process at once (a round can still meet chunk counts, so graphs, that
 the ones before did not), then decodes the same prompts offline with `generate_multi_block` at batch --clients (also
-warmed up). Prints a table and one JSON line: served tokens/s of each timed round and their median, offline tokens/s
-and the ratios, the last round's p50/p99 time to the first committed token and per request, and how many served
-completions differ from the offline batch's row of the same prompt (`--batch-invariant`: decode with
-RuntimeOptions.batch_invariant, under which none may; without it the count is only reported); per round, where the
-server's time went (serve_timeline.py: the engine's steps and the time between them, thread wake-up lag, garbage
-collections). Random weights have no tokenizer: the server decodes ids with a stand-in one character per id, which
-maps its text back to ids."""
+warmed up). One process of 128 asyncio clients is a load generator of its own limits: parsing 128 event streams took
+it 2.5-3.4 s of CPU in a 4.7 s round, and its first request reached the server 150-500 ms after it began
+(docs/benchmarks.md, "Serving under load"). Prints a table and one JSON line: served tokens/s of each timed round and
+their median, offline tokens/s and the ratios, the last round's p50/p99 time to the first committed token and per
+request, and how many served completions differ from the offline batch's row of the same prompt (`--batch-invariant`:
+decode with RuntimeOptions.batch_invariant, under which none may; without it the count is only reported); per round,
+where the server's time went (serve_timeline.py: when requests arrived and rows were submitted, the engine's steps and
+the time between them, thread wake-up lag, garbage collections) and the clients' CPU time. Random weights have no
+tokenizer: the server decodes ids with a stand-in one character per id, which maps its text back to ids."""
 
 import argparse
 import asyncio
@@ -83,36 +86,64 @@ async def one_request(client, url: str, prompt: list[int], new_tokens: int) -> d
     return {"ttft_s": first, "seconds": time.perf_counter() - began, "tokens": tokens, "text": text}
 
 
-async def load(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[list[dict], float]:
+async def load(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[list[dict], float, tuple, float]:
     import httpx
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(prompts)), timeout=None) as client:
-        began, wall = time.perf_counter(), time.time()
+        began, wall, cpu = time.perf_counter(), time.time(), time.process_time()
         results = await asyncio.gather(*(one_request(client, url, p, new_tokens) for p in prompts))
-        return results, time.perf_counter() - began, (wall, time.time())
+        return results, time.perf_counter() - began, (wall, time.time()), time.process_time() - cpu
 
 
-def clients(url: str, prompts: list[list[int]], new_tokens: int, rounds: int, results) -> None:
-    """The clients' process: a warm-up round (the server compiles and captures), then the timed ones, sent back."""
+def clients(url: str, prompts: list[list[int]], new_tokens: int, rounds: int, start, results) -> None:
+    """One clients' process: a warm-up round (the server compiles and captures), then the timed ones, each begun with
+    the other processes' (`start`, a barrier), sent back."""
+    start.wait()
     asyncio.run(load(url, prompts, new_tokens))
-    results.send([asyncio.run(load(url, prompts, new_tokens)) for _ in range(rounds)])
+    timed = []
+    for _ in range(rounds):
+        start.wait()
+        timed.append(asyncio.run(load(url, prompts, new_tokens)))
+    results.send(timed)
 
 
-def served(url: str, prompts: list[list[int]], new_tokens: int, rounds: int) -> list[tuple[list[dict], float, tuple]]:
-    """The timed rounds of `clients`, run in a spawned process: the clients' JSON and HTTP work takes no GIL time
-    from the server's threads."""
+def served(url: str, prompts: list[list[int]], new_tokens: int, rounds: int,
+           processes: int) -> list[tuple[list[dict], float, tuple, list[float]]]:
+    """The timed rounds of `clients` in `processes` spawned processes, each sending its share of the prompts (the
+    clients' JSON and HTTP work takes no GIL time from the server's threads, and one process's event loop does not
+    pace them all): per round the results in prompt order, its wall-clock seconds and span from the first request
+    sent to the last answer, and each process's CPU seconds."""
     context = multiprocessing.get_context("spawn")
-    receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=clients, args=(url, prompts, new_tokens, rounds, send), daemon=True)
-    process.start()
+    start = context.Barrier(processes)
+    shares = [list(range(len(prompts)))[i::processes] for i in range(processes)]
+    pipes, workers = [], []
+    for share in shares:
+        receive, send = context.Pipe(duplex=False)
+        workers.append(context.Process(target=clients, daemon=True, args=(
+            url, [prompts[i] for i in share], new_tokens, rounds, start, send)))
+        workers[-1].start()
+        pipes.append(receive)
     try:
-        while not receive.poll(1.0):
-            if not process.is_alive():
-                raise RuntimeError(f"the clients' process ended (exit code {process.exitcode}) without results")
-        return receive.recv()
+        received = []
+        for receive in pipes:
+            while not receive.poll(1.0):
+                if not all(worker.is_alive() for worker in workers):
+                    raise RuntimeError("a clients' process ended without results")
+            received.append(receive.recv())
     finally:
-        process.join(10)
-        process.kill()
+        for worker in workers:
+            worker.join(10)
+            worker.kill()
+    return [merged([timed[r] for timed in received], shares, len(prompts)) for r in range(rounds)]
+
+
+def merged(parts: list[tuple], shares: list[list[int]], count: int) -> tuple[list[dict], float, tuple, list[float]]:
+    results = [None] * count
+    for (part, _, _, _), share in zip(parts, shares):
+        for i, result in zip(share, part):
+            results[i] = result
+    span = (min(p[2][0] for p in parts), max(p[2][1] for p in parts))
+    return results, span[1] - span[0], span, [p[3] for p in parts]
 
 
 def offline(model, prompts: list[list[int]], cfg: BlockDiffusionConfig) -> tuple[int, float, list[list[int]]]:
@@ -131,7 +162,7 @@ def offline(model, prompts: list[list[int]], cfg: BlockDiffusionConfig) -> tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in (("clients", 128), ("min-prompt", 64), ("max-prompt", 512), ("new-tokens", 256),
-                          ("rounds", 2)):
+                          ("rounds", 2), ("client-processes", 4)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--shape", default="sdar-4b")
     parser.add_argument("--model", default=None, help="a checkpoint directory (default: random weights of --shape)")
@@ -148,24 +179,25 @@ def main() -> None:
     limits = Limits(args.max_prompt, args.new_tokens)
     tokenizer = IdTokenizer()
     collections, timeline = Collections(), StepTimeline(engine)
-    server, thread, url = serve_in_thread(create_app(Server(engine, tokenizer, "load", limits,
-                                                            max_queue=args.clients, request_timeout=3600)))
+    app = create_app(Server(engine, tokenizer, "load", limits, max_queue=args.clients, request_timeout=3600))
+    server, thread, url = serve_in_thread(timeline.serving(app))
     try:
-        rounds = served(url, prompts, args.new_tokens, args.rounds)
+        rounds = served(url, prompts, args.new_tokens, args.rounds, args.client_processes)
     finally:
         server.should_exit = True
         thread.join()
     offline(model, prompts, cfg)  # warm-up
     offline_tokens, offline_s, rows = offline(model, prompts, cfg)
     differing = sum(tokenizer.ids(result["text"]) != row
-                    for results, _, _ in rounds for result, row in zip(results, rows))
-    pauses = [collections.within(span) for _, _, span in rounds]
-    report(args, rounds, offline_tokens, offline_s, differing, pauses, [timeline.within(span) for _, _, span in rounds])
+                    for results, _, _, _ in rounds for result, row in zip(results, rows))
+    spans = [span for _, _, span, _ in rounds]
+    report(args, rounds, offline_tokens, offline_s, differing, [collections.within(span) for span in spans],
+           [timeline.within(span) for span in spans])
 
 
-def report(args, rounds: list[tuple[list[dict], float, tuple]], offline_tokens: int, offline_s: float,
+def report(args, rounds: list[tuple[list[dict], float, tuple, list[float]]], offline_tokens: int, offline_s: float,
            differing: int, pauses: list[tuple[float, int]], steps: list[dict]) -> None:
-    each = [sum(r["tokens"] for r in results) / seconds for results, seconds, _ in rounds]
+    each = [sum(r["tokens"] for r in results) / seconds for results, seconds, _, _ in rounds]
     results, served_tok_s = rounds[-1][0], statistics.median(each)
     offline_tok_s = offline_tokens / offline_s
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
@@ -181,7 +213,9 @@ def report(args, rounds: list[tuple[list[dict], float, tuple]], offline_tokens: 
                "request_p99_s": round(percentile(latency, 99), 3), "batch_invariant": args.batch_invariant,
                "rows_differing_from_offline": differing,
                "gc_pause_s_each_round": [round(seconds, 3) for seconds, _ in pauses],
-               "gc_oldest_generation_each_round": [count for _, count in pauses], "engine_each_round": steps}
+               "gc_oldest_generation_each_round": [count for _, count in pauses], "engine_each_round": steps,
+               "client_processes": args.client_processes,
+               "client_cpu_s_each_round": [[round(cpu, 2) for cpu in each] for _, _, _, each in rounds]}
     ratios = ", ".join(map(str, summary["served_over_offline_each_round"]))
     print(f"tokens/s                 served {', '.join(f'{x:.1f}' for x in each)} (rounds), offline "
           f"{offline_tok_s:.1f} (served / offline {ratios}; median {summary['served_over_offline']:.3f})")
@@ -192,8 +226,11 @@ def report(args, rounds: list[tuple[list[dict], float, tuple]], offline_tokens: 
     for i, one in enumerate(steps):
         print(f"engine, round {i + 1}          {one['steps']} steps: {one['in_steps_s']:.3f} s in them, "
               f"{one['between_steps_s']:.3f} s between (longest {one['longest_gap_ms']:.1f} ms), "
-              f"{one['before_first_step_ms']} ms before the first, {one['after_last_step_ms']} ms after the last; "
-              f"a 2 ms sleeper woke up to {one['wake_lag_p99_ms']:.2f} ms late (p99)")
+              f"{one['before_first_step_ms']} ms before the first (the first request arrived at "
+              f"{one['first_arrival_ms']} ms, rows submitted from {one['first_submit_ms']} to {one['last_submit_ms']} "
+              f"ms), {one['after_last_step_ms']} ms after the last; a 2 ms sleeper woke up "
+              f"to {one['wake_lag_p99_ms']:.2f} ms late (p99); the clients' processes used "
+              f"{'/'.join(str(cpu) for cpu in summary['client_cpu_s_each_round'][i])} s of CPU")
     print(f"served != offline        {differing} of {len(results) * len(rounds)} rows (all rounds)"
           + (" (batch_invariant: must be 0)" if args.batch_invariant else ""))
     print(json.dumps(summary))
