@@ -157,3 +157,27 @@ def test_eval_loop_bench_reports_recompiles_and_breaks_of_the_rule():
     assert bench.verdict([row, row, row])["rule"] == "ok"
     assert bench.verdict([row, row | dict(frames=1), row])["rule"] == "FAIL"
     assert bench.verdict([row, row | dict(seconds=2.5), row, row])["rule"] == "FAIL"
+
+
+def test_a_later_process_compiles_the_layers_dynamic_at_once(qwen3, monkeypatch, tmp_path):
+    """Dynamo's profile of the dimensions that turned dynamic (kept under the model's `profile_job` in inductor's
+    cache directory): the first process's layers compile static at the prefill and again, the token dimension dynamic,
+    at the first step; a later process (here: dynamo reset, the profile read back from the directory) compiles each
+    frame once."""
+    from hf_blockdiff.fusion import mode
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the stock layers: interpreted kernels take seconds a step
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # where dynamo keeps the profile
+    monkeypatch.setattr(mode, "compiled_forward", lambda layer_type, dynamic: _traced(layer_type.forward, dynamic))
+    cfg = BlockDiffusionConfig(**(CFG | dict(temperature=0.0)), compile=True)
+    ids, mask = left_pad(random_prompts([12, 9, 7], seed=0))
+    frames = []
+    for _ in range(2):
+        free_cache(qwen3)
+        torch._dynamo.reset()  # a fresh process: no compiled code, the profile read again
+        before = counters["frames"]["ok"]
+        qwen3.generate_multi_block(ids, cfg, attention_mask=mask)
+        frames.append(counters["frames"]["ok"] - before)
+    free_cache(qwen3)
+    assert list((tmp_path / "dynamo").glob(f"code_state_{mode.profile_job(qwen3)}*")), list(tmp_path.rglob("*"))
+    assert frames[1] < frames[0], frames

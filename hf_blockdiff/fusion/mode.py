@@ -14,6 +14,7 @@ raises.
 from __future__ import annotations
 
 import functools
+import zlib
 from contextlib import contextmanager
 
 import torch
@@ -93,6 +94,36 @@ def shape_policy(model) -> bool | None:
     return None if len(kinds) <= 1 else True
 
 
+# the text config's fields that fix a decoder layer's widths: with the dtype and tensor-parallel size, they key the
+# profile of dimensions that turned dynamic (`profile_job`)
+LAYER_SHAPE = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "layer_types", "sliding_window")
+
+
+def profile_job(model) -> str:
+    """The job id under which dynamo keeps its profile of the compiled layers' dimensions that turned dynamic
+    (`compile_settings`): one per layer shape, so a process that compiled layers of other widths (another model of the
+    same layer class) never has this model's widths traced as symbols."""
+    text = model.config.get_text_config()
+    shape = [type(text).__name__, str(next(model.parameters()).dtype), tensor_parallel_size(model)]
+    shape += [getattr(text, name, None) for name in LAYER_SHAPE]
+    return f"hf_blockdiff-{zlib.crc32(repr(shape).encode()):08x}"
+
+
+@contextmanager
+def compile_settings(job: str | None = None):
+    """How torch.compile traces our compiled code, the decoder layers and the step's bookkeeping:
+    - every size its own symbol (no duck sizing): slots equal to the heads by chance would tie them, and a call of
+      another batch would recompile;
+    - with `job` (`profile_job`; a job id the user set wins), dynamo keeps its profile of the dimensions that turned
+      dynamic in inductor's cache directory (and in `hf-blockdiff warmup`'s artifacts), so a later process compiles
+      the layers with the token dimension dynamic at once, instead of static at the prefill and again at the first
+      step (docs/benchmarks.md, "Eval loops")."""
+    with torch.fx.experimental._config.patch(use_duck_shape=False), \
+            torch.compiler.config.patch(job_id=torch.compiler.config.job_id or job):
+        yield
+
+
 @contextmanager
 def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = False, invariant: bool = False):
     """The model's forwards in `fusion`'s mode for the block (module docstring); `invariant`: the fused forwards'
@@ -115,10 +146,8 @@ def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = F
     for layer in layers:
         layer.forward = compiled_forward(type(layer), dynamic).__get__(layer)
     try:
-        # sizes each their own symbol (no duck sizing): slots equal to the heads by chance would tie them, and a call
-        # of another batch would recompile the layers
         with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), \
-                torch.fx.experimental._config.patch(use_duck_shape=False):
+                compile_settings(profile_job(model) if layers else None):
             yield
     finally:
         config._attn_implementation = previous

@@ -22,6 +22,7 @@ import functools
 
 import torch
 
+from ..fusion.mode import compile_settings
 from ..scheduler import Decision, ForwardLayout, Scheduler, Stored
 from ..scheduler.settings import SlotSettings
 from .executor import ModelExecutor
@@ -35,13 +36,13 @@ def compiled_phase(name: str):
     """`Scheduler.<name>` through torch.compile: one function per phase for every scheduler, so every engine shares
     one dynamo cache, where a configuration takes one entry (past dynamo's recompile limit of 8 a further
     configuration runs eager, with dynamo's warning and `hf-blockdiff bench`'s report). Its sizes (slots, canvas
-    width, blocks) are traced as symbols, each its own (no duck sizing: slots equal to the block size by chance would
-    tie them), so an engine of another shape reuses the compiled phases instead of recompiling them."""
+    width, blocks) are traced as symbols, each its own (`compile_settings`: slots equal to the block size by chance
+    would tie them), so an engine of another shape reuses the compiled phases instead of recompiling them."""
     compiled = torch.compile(getattr(Scheduler, name), dynamic=True)
 
     @functools.wraps(getattr(Scheduler, name))
     def phase(*args, **kwargs):
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        with compile_settings():
             return compiled(*args, **kwargs)
 
     return phase
