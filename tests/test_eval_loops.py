@@ -163,7 +163,7 @@ def test_a_later_process_compiles_the_layers_dynamic_at_once(qwen3, monkeypatch,
     """Dynamo's profile of the dimensions that turned dynamic (kept under the model's `profile_job` in inductor's
     cache directory): the first process's layers compile static at the prefill and again, the token dimension dynamic,
     at the first step; a later process (here: dynamo reset, the profile read back from the directory) compiles each
-    frame once."""
+    frame once. The portable artifacts carry the profile."""
     from hf_blockdiff.fusion import mode
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the stock layers: interpreted kernels take seconds a step
@@ -181,3 +181,5 @@ def test_a_later_process_compiles_the_layers_dynamic_at_once(qwen3, monkeypatch,
     free_cache(qwen3)
     assert list((tmp_path / "dynamo").glob(f"code_state_{mode.profile_job(qwen3)}*")), list(tmp_path.rglob("*"))
     assert frames[1] < frames[0], frames
+    saved = torch.compiler.save_cache_artifacts()  # what `hf-blockdiff warmup` saves carries the profile too
+    assert saved is not None and any(key.startswith(mode.profile_job(qwen3)) for key in saved[1].pgo_artifacts)
