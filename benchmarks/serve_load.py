@@ -179,7 +179,8 @@ def main() -> None:
     limits = Limits(args.max_prompt, args.new_tokens)
     tokenizer = IdTokenizer()
     collections, timeline = Collections(), StepTimeline(engine)
-    app = create_app(Server(engine, tokenizer, "load", limits, max_queue=args.clients, request_timeout=3600))
+    app = create_app(Server(engine, tokenizer, "load", limits, max_queue=args.clients, request_timeout=3600,
+                            warm_up=True))
     server, thread, url = serve_in_thread(timeline.serving(app))
     try:
         rounds = served(url, prompts, args.new_tokens, args.rounds, args.client_processes)

@@ -156,7 +156,8 @@ def test_sigterm_finishes_the_requests_in_flight_and_stops():
             rest = [line for line in lines if line]
         assert first.startswith("data: {") and rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
         assert process.wait(60) in (0, -signal.SIGTERM)
-        assert "the engine is closed" in process.stderr.read()
+        log = process.stderr.read()
+        assert "warmed up in" in log and "the engine is closed" in log
     finally:
         if process.poll() is None:
             process.kill()

@@ -22,6 +22,7 @@ from .metrics import Metrics
 from .responses import ChatFormat, ChoiceState, CompletionFormat, Format, choice_updates
 from .schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from .streaming import HEADERS, MEDIA_TYPE, stream_events
+from .warm_up import warm_up
 
 LOG = logging.getLogger("uvicorn.error")  # uvicorn's own log: its lines and ours in one stream
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait: rows leave the queue at every engine step
@@ -43,6 +44,7 @@ class Server:
     max_queue: int  # rows waiting for a slot before requests get 429
     request_timeout: float | None  # seconds a request may take (None: no limit)
     api_key: str | None = None
+    warm_up: bool = False  # decode a row, then freeze the process's heap, before listening (serve/warm_up.py)
 
 
 def create_app(server: Server) -> FastAPI:
@@ -51,6 +53,8 @@ def create_app(server: Server) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.engine.start()
+        if server.warm_up:
+            await asyncio.to_thread(warm_up, server.engine, server.limits)
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         try:

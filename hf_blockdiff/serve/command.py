@@ -73,7 +73,7 @@ def serve(options: ServeOptions, config: BlockDiffusionConfig) -> None:
                         max_batch_size=options.max_batch_size, max_prompt_tokens=limits.max_prompt_tokens,
                         max_new_tokens=limits.max_new_tokens, tokenizer=tokenizer)
     server = Server(engine, tokenizer, options.model, limits, options.max_queue, options.request_timeout,
-                    options.api_key)
+                    options.api_key, warm_up=True)
     # SIGTERM/Ctrl+C: uvicorn stops accepting, lets the requests in flight finish within the request timeout (then
     # cancels them), and the app's shutdown closes the engine
     uvicorn.run(create_app(server), host=options.host, port=options.port, log_level="info",
