@@ -125,9 +125,12 @@ def served(url: str, prompts: list[list[int]], new_tokens: int, rounds: int,
         pipes.append(receive)
     try:
         received = []
-        for receive in pipes:
+        for index, receive in enumerate(pipes):
             while not receive.poll(1.0):
-                if not all(worker.is_alive() for worker in workers):
+                # a process that sent its results may have ended; one that ended without them (the others then
+                # wait at the barrier) fails the run
+                unread = zip(workers[index:], pipes[index:])
+                if any(not worker.is_alive() and not pipe.poll() for worker, pipe in unread):
                     raise RuntimeError("a clients' process ended without results")
             received.append(receive.recv())
     finally:
