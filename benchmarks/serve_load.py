@@ -122,21 +122,24 @@ def served(url: str, prompts: list[list[int]], new_tokens: int, rounds: int,
         workers.append(context.Process(target=clients, daemon=True, args=(
             url, [prompts[i] for i in share], new_tokens, rounds, start, send)))
         workers[-1].start()
+        send.close()  # the process holds its own end: its pipe reads as ended once it exits
         pipes.append(receive)
     try:
-        received = []
-        for index, receive in enumerate(pipes):
-            while not receive.poll(1.0):
-                # a process that sent its results may have ended; one that ended without them (the others then
-                # wait at the barrier) fails the run
-                unread = zip(workers[index:], pipes[index:])
-                if any(not worker.is_alive() and not pipe.poll() for worker, pipe in unread):
-                    raise RuntimeError("a clients' process ended without results")
-            received.append(receive.recv())
+        received = {}
+        while len(received) < processes:  # in whatever order they finish: one that ended leaves the others waiting
+            for index, receive in enumerate(pipes):
+                if index not in received and receive.poll(0.2):
+                    try:
+                        received[index] = receive.recv()
+                    except EOFError:
+                        workers[index].join(10)
+                        raise RuntimeError(f"a clients' process ended (exit code {workers[index].exitcode}) without "
+                                           "results") from None
     finally:
         for worker in workers:
             worker.join(10)
             worker.kill()
+    received = [received[index] for index in range(processes)]
     return [merged([timed[r] for timed in received], shares, len(prompts)) for r in range(rounds)]
 
 
