@@ -47,24 +47,33 @@ def _sm_count(device_index):
 
 
 def _auto_splits(programs, rows, block_d, capacity, device):
-    """Split the key range only when the grid cannot fill the GPU (small batch, long prefix).
+    """Split the key range only where the grid leaves the GPU short of programs (small batch, long prefix, or a
+    grid of one to two programs per SM).
 
-    Aim at two programs per SM and at most 16 splits (the best on an H100 for SDAR-4B decode shapes: batch 1 goes
-    from 193 to 19 us at prefix 8192, batch >= 32 is left unsplit), each split of at least 128 keys, or 384 for tiles
-    of >= 256 (query, head) rows per KV head, whose partial states cost more to merge (H200, GPU time under a graph:
-    a LLaDA-8B canvas of 384 queries 61 us in 3 splits, 19 us in one; Dream-7B's 512, 68 against 27; an SDAR-4B
-    prefill chunk after 2,048 keys 44 us in 9 splits, 34 in 4). Wide heads merge float32 partials of 1 or 2 KiB per
-    row: at most 3 splits for head dim 256 and 2 beyond (a DiffusionGemma canvas at batch 1 after 1,024 keys, H200:
-    sliding layers 67 us unsplit, 36 us in 3 splits; global layers, head dim 512, 148 us unsplit, 76 us in 2 splits
-    and 105 in 3)."""
+    Below one program per SM: at most two programs per SM in all and at most 16 splits (the best on an H100 for
+    SDAR-4B decode shapes: batch 1 goes from 193 to 19 us at prefix 8192), each split of at least 128 keys, or 384
+    for tiles of >= 256 (query, head) rows per KV head, whose partial states cost more to merge (H200, GPU time under
+    a graph: a LLaDA-8B canvas of 384 queries 61 us in 3 splits, 19 us in one; Dream-7B's 512, 68 against 27; an
+    SDAR-4B prefill chunk after 2,048 keys 44 us in 9 splits, 34 in 4). Never past two programs per SM: SDAR-8B's
+    decode over two GPUs (4 KV heads, 32 slots: 128 programs; 300 keys of 512) took 15.7 us in 3 splits, 10.8 in 2.
+    Wide heads merge float32 partials of 1 or 2 KiB per row: at most 3 splits for head dim 256 and 2 beyond (a
+    DiffusionGemma canvas at batch 1 after 1,024 keys, H200: sliding layers 67 us unsplit, 36 us in 3 splits;
+    global layers, head dim 512, 148 us unsplit, 76 us in 2 splits and 105 in 3).
+
+    From one to two programs per SM (decode tiles of narrow heads only, where it was measured): 2 splits of at least
+    512 keys, for the second wave's tail (H200, 8 KV heads, 24 slots: 143 us unsplit against 91 in 2 after 3,500
+    keys, 37.4 against 28.8 after 800; 32 slots, 300 keys of 512: 16.1 unsplit, 18.0 in 2). `benchmarks/`
+    `attention_splits.py` times these choices."""
     if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    if programs >= sms:
+    if programs >= 2 * sms:
         return 1
+    if programs >= sms:
+        return 2 if rows < 256 and block_d < 256 and capacity >= 1024 else 1
     keys_per_split = 384 if rows >= 256 else 128
     most = 16 if block_d < 256 else 3 if block_d == 256 else 2
-    return max(1, min(triton.cdiv(2 * sms, programs), capacity // keys_per_split, most))
+    return max(1, min(2 * sms // programs, capacity // keys_per_split, most))
 
 
 def _dot_precision(q):

@@ -132,6 +132,10 @@ def test_wide_heads_over_a_canvas(window, dtype, device, assert_close, poisoned)
     (512, 256, 32, 1280, 3),  # a DiffusionGemma canvas at batch 1, sliding layers: at most 3 splits
     (2048, 512, 64, 1280, 2),  # ... and global layers (head dim 512): at most 2
     (512, 256, 512, 8192, 1),  # ... at batch 16: a full grid
+    (16, 128, 128, 512, 2),  # SDAR-8B decode at batch 32 over two GPUs: never past two programs per SM
+    (16, 128, 192, 4096, 2),  # from one to two programs per SM: two splits for a long prefix ...
+    (16, 128, 256, 512, 1),  # ... of at least 512 keys each
+    (512, 128, 192, 4096, 1),  # ... in decode tiles only
     (16, 128, 264, 8192, 1),  # a full grid
 ])
 def test_auto_splits(rows, head_dim, programs, capacity, splits, monkeypatch):
