@@ -90,6 +90,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _no_bookkeeping_directory_left():
+    """`compile_cache.load` names a directory for the bookkeeping's artifacts for the whole process: not past the
+    test that loaded one."""
+    yield
+    from hf_blockdiff.generation import precompiled
+
+    precompiled.use_directory(None)
+
+
 @pytest.fixture(scope="session")
 def qwen3():
     return tiny_model("qwen3")

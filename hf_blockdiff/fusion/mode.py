@@ -14,6 +14,8 @@ raises.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import zlib
 from contextlib import contextmanager
 
@@ -153,3 +155,20 @@ def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = F
         config._attn_implementation = previous
         for module in norms + layers + [module for module, _ in projections]:
             del module.forward
+
+
+def environment() -> dict:
+    """What compiled artifacts are valid for: torch, triton and the GPU (or the CPU)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"torch": torch.__version__, "triton": triton_version, "device": device}
+
+
+def digest(value) -> str:
+    """A short stable digest of a JSON-able value (the names of compiled artifacts' files)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]

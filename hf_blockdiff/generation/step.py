@@ -27,6 +27,7 @@ from ..scheduler import Decision, ForwardLayout, Scheduler, Stored
 from ..scheduler.settings import SlotSettings
 from .executor import ModelExecutor
 from .pages import Admission
+from .precompiled import PrecompiledPhase
 
 PHASES = ("plan", "stored", "score_request", "conclude")  # the scheduler's calls in a step
 
@@ -37,11 +38,16 @@ def compiled_phase(name: str):
     one dynamo cache, where a configuration takes one entry (past dynamo's recompile limit of 8 a further
     configuration runs eager, with dynamo's warning and `hf-blockdiff bench`'s report). Its sizes (slots, canvas
     width, blocks) are traced as symbols, each its own (`compile_settings`: slots equal to the block size by chance
-    would tie them), so an engine of another shape reuses the compiled phases instead of recompiling them."""
+    would tie them), so an engine of another shape reuses the compiled phases instead of recompiling them. Where a
+    compile cache is named, compiled ahead of time and kept there (`precompiled.py`)."""
     compiled = torch.compile(getattr(Scheduler, name), dynamic=True)
+    ahead = PrecompiledPhase(name)
 
     @functools.wraps(getattr(Scheduler, name))
     def phase(*args, **kwargs):
+        saved = ahead.variant(*args, **kwargs)
+        if saved is not None:
+            return saved(*args, **kwargs)
         with compile_settings():
             return compiled(*args, **kwargs)
 

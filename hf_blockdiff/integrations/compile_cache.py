@@ -5,7 +5,8 @@ build or before training starts (`hf-blockdiff warmup`).
 
 Our own Triton kernels are compiled by Triton, not torch.compile: `load` points Triton's cache (`TRITON_CACHE_DIR`,
 for the whole process) into the directory's `triton/` unless the variable is set, so their binaries travel too
-(Triton keys them by source, version and GPU). A file holds one model's artifacts (its config, dtype and
+(Triton keys them by source, version and GPU), and the step's bookkeeping is compiled ahead of time into its
+`bookkeeping/` (generation/precompiled.py), which a later process loads instead of tracing. A file holds one model's artifacts (its config, dtype and
 tensor-parallel size) for one environment (torch, triton, GPU); the directory keeps the newest `MAX_FILES`, and its
 `triton/` the most recently written kernels within `MAX_TRITON_BYTES`. Several
 processes may save at once (torchrun ranks): each writes a file of its own and renames it into place, so a reader
@@ -14,7 +15,6 @@ warning naming the cause and a cold start."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 from ..config import BlockDiffusionConfig
+from ..fusion.mode import digest, environment
+from ..generation import precompiled
 from ..patching import free_cache
 from ..weights.tensor_parallel import tensor_parallel_size
 
@@ -31,36 +33,21 @@ MAX_FILES = 16
 MAX_TRITON_BYTES = 2 * 1024**3  # Triton's cache in the directory (a kernel a folder, 10-500 KB each)
 
 
-def environment() -> dict:
-    """What compiled artifacts are valid for: torch, triton and the GPU (or the CPU)."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"torch": torch.__version__, "triton": triton_version, "device": device}
-
-
-def _digest(value) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def model_key(model) -> str:
     """The model's shapes (its config but names and versions), dtype and tensor-parallel size."""
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
-    return _digest([config, str(next(model.parameters()).dtype), tensor_parallel_size(model)])
+    return digest([config, str(next(model.parameters()).dtype), tensor_parallel_size(model)])
 
 
 def cache_file(model, directory: str | os.PathLike) -> Path:
-    return Path(directory) / f"{model_key(model)}-{_digest(environment())}.bin"
+    return Path(directory) / f"{model_key(model)}-{digest(environment())}.bin"
 
 
 def load(model, directory: str | os.PathLike) -> bool:
-    """Load the artifacts saved for this model and environment into torch's caches, and point Triton's cache into
-    the directory; False (with a warning where the directory says why) when there are none."""
+    """Load the artifacts saved for this model and environment into torch's caches, and point Triton's cache and
+    the bookkeeping's artifacts into the directory; False (with a warning where the directory says why) when there are none."""
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(directory).resolve() / "triton"))
+    precompiled.use_directory(Path(directory) / "bookkeeping")
     path = cache_file(model, directory)
     try:
         data = path.read_bytes()

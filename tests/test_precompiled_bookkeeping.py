@@ -1,0 +1,85 @@
+"""The step's bookkeeping compiled ahead of time into a named compile cache (generation/precompiled.py): a later
+process loads it instead of tracing it, for engines of other shapes too, and decodes what the eager bookkeeping
+decodes; a damaged file is compiled again, and another config's artifacts never run."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from hf_blockdiff import BlockDiffusionConfig, free_cache
+from hf_blockdiff.generation import engine as engine_module
+from hf_blockdiff.generation import precompiled
+from hf_blockdiff.generation import step as step_module
+from hf_blockdiff.generation.step import PHASES, DecodeStep
+from hf_blockdiff.scheduler import Scheduler
+
+from helpers import MASK, left_pad, random_prompts
+
+# per-position temperatures: the bookkeeping does float arithmetic, and reads floats of the config
+CFG = dict(mask_token_id=MASK, block_size=8, max_new_tokens=16, threshold=0.6, eos_token_id=[],
+           attention="block_causal", temperature=0.9, pos_temp_slope=0.7, cuda_graphs=True)
+SHAPES = [(9, 4, 6, 13, 5), (30, 29, 28, 27, 26, 25, 24, 23)]  # engines of 6 and 8 slots, canvases of 32 and 48
+
+
+def _decode(model, lengths, compiled, monkeypatch):
+    monkeypatch.setattr(engine_module, "DecodeStep", lambda s, e, _: DecodeStep(s, e, compiled))
+    ids, mask = left_pad(random_prompts(lengths, seed=len(lengths)))
+    out = model.generate_multi_block(ids, BlockDiffusionConfig(**CFG), attention_mask=mask, return_dict=True,
+                                     generator=torch.Generator().manual_seed(5))
+    free_cache(model)
+    return [out.sequences, out.logprobs, out.entropies, out.commit_step]
+
+
+def _new_process():
+    """What a new process has: nothing compiled in memory (the directory stays)."""
+    step_module.compiled_phase.cache_clear()
+    torch._dynamo.reset()
+
+
+pytestmark = pytest.mark.skipif(not precompiled.AVAILABLE, reason="torch before 2.13 traces the bookkeeping in each "
+                                "process (generation/precompiled.py)")
+
+
+@pytest.fixture
+def bookkeeping_dir(tmp_path):
+    precompiled.use_directory(tmp_path)
+    _new_process()
+    yield tmp_path
+    precompiled.use_directory(None)
+    _new_process()
+
+
+def test_a_later_process_loads_the_bookkeeping_instead_of_tracing_it(qwen3, bookkeeping_dir, monkeypatch):
+    eager = [_decode(qwen3, lengths, False, monkeypatch) for lengths in SHAPES]
+    first = _decode(qwen3, SHAPES[0], True, monkeypatch)  # traced ahead of time and saved
+    assert all(torch.equal(a, b) for a, b in zip(first, eager[0]))
+    assert sorted(path.name.split("-")[0] for path in bookkeeping_dir.glob("*.bin")) == sorted(PHASES)
+
+    conclude = next(bookkeeping_dir.glob("conclude-*.bin"))
+    conclude.write_bytes(b"damaged")
+    _new_process()
+    compiled = []
+    trace = precompiled.PrecompiledPhase._compile
+    monkeypatch.setattr(precompiled.PrecompiledPhase, "_compile",
+                        lambda self, args, kwargs: compiled.append(self.name) or trace(self, args, kwargs))
+    frames = counters["frames"]["ok"]
+    with pytest.warns(UserWarning, match="not loadable"):
+        later = [_decode(qwen3, lengths, True, monkeypatch) for lengths in SHAPES]
+    assert compiled == ["conclude"]  # the damaged one; the others loaded, and both shapes ran on one variant each
+    assert counters["frames"]["ok"] == frames  # no torch.compile trace either
+    for got, expected in zip(later, eager):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_another_config_or_sampling_is_another_artifact():
+    def key(**fields):
+        cfg = BlockDiffusionConfig(**{**CFG, **fields})
+        return precompiled.PrecompiledPhase("conclude")._key(Scheduler(cfg, 4, 32, 4, torch.device("cpu")))
+
+    assert key() == key()
+    assert len({key(), key(strategy="entropy_threshold"), key(threshold=0.7), key(pos_temp_slope=0.0)}) == 4
+    scheduler = Scheduler(BlockDiffusionConfig(**CFG), 4, 32, 4, torch.device("cpu"))
+    phase = precompiled.PrecompiledPhase("conclude")
+    sampled = phase._key(scheduler)
+    scheduler.per_row_sampling = True
+    assert phase._key(scheduler) != sampled
