@@ -55,8 +55,7 @@ def test_a_later_process_loads_the_bookkeeping_instead_of_tracing_it(qwen3, book
     assert all(torch.equal(a, b) for a, b in zip(first, eager[0]))
     assert sorted(path.name.split("-")[0] for path in bookkeeping_dir.glob("*.bin")) == sorted(PHASES)
 
-    conclude = next(bookkeeping_dir.glob("conclude-*.bin"))
-    conclude.write_bytes(b"damaged")
+    next(bookkeeping_dir.glob("stored-*.bin")).write_bytes(b"damaged")
     _new_process()
     compiled = []
     trace = precompiled.PrecompiledPhase._compile
@@ -65,7 +64,7 @@ def test_a_later_process_loads_the_bookkeeping_instead_of_tracing_it(qwen3, book
     frames = counters["frames"]["ok"]
     with pytest.warns(UserWarning, match="not loadable"):
         later = [_decode(qwen3, lengths, True, monkeypatch) for lengths in SHAPES]
-    assert compiled == ["conclude"]  # the damaged one; the others loaded, and both shapes ran on one variant each
+    assert compiled == ["stored"]  # the damaged one; the others loaded, and both shapes ran on one variant each
     assert counters["frames"]["ok"] == frames  # no torch.compile trace either
     for got, expected in zip(later, eager):
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
