@@ -82,3 +82,14 @@ def test_another_config_or_sampling_is_another_artifact():
     sampled = phase._key(scheduler)
     scheduler.per_row_sampling = True
     assert phase._key(scheduler) != sampled
+
+
+def test_a_call_with_no_tensor_work_goes_to_torch_compile_without_a_warning(bookkeeping_dir, recwarn):
+    """Bidirectional attention caches nothing, so `stored` has no op to compile: aot_compile refuses it, and the
+    fallback says nothing (a warning in every process would be noise)."""
+    cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=8, attention="bidirectional", max_new_tokens=16,
+                               eos_token_id=[])
+    scheduler = Scheduler(cfg, 2, 32, 4, torch.device("cpu"))
+    phase = precompiled.PrecompiledPhase("stored")
+    assert phase.variant(scheduler, scheduler.forward_layout(4).chunks) is None and phase.failed
+    assert not [w for w in recwarn if "ahead of time" in str(w.message)]

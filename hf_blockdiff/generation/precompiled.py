@@ -51,6 +51,12 @@ def _source() -> str:
     return _SOURCE[0]
 
 
+def _no_tensor_work(error: Exception) -> bool:
+    """Whether aot_compile refused a call for having no graph: one with no tensor op in this mode (`stored` where
+    nothing is cached, bidirectional attention), which torch.compile runs for nothing too."""
+    return isinstance(error, AssertionError) and "backend_input" in str(error)
+
+
 class PrecompiledPhase:
     """One scheduler call (`Scheduler.<name>`) through `aot_compile`: its variants by key, loaded or compiled."""
 
@@ -72,8 +78,9 @@ class PrecompiledPhase:
                 return self._variant(directory, self._key(scheduler), (scheduler, *args), kwargs)
         except Exception as error:  # never a failed call: torch.compile runs it, as without a directory
             self.failed = True
-            warnings.warn(f"the step's bookkeeping ({self.name}) could not be compiled ahead of time "
-                          f"({type(error).__name__}: {error}); it compiles in each process instead.")
+            if not _no_tensor_work(error):
+                warnings.warn(f"the step's bookkeeping ({self.name}) could not be compiled ahead of time "
+                              f"({type(error).__name__}: {error}); it compiles in each process instead.")
             return None
 
     def _key(self, scheduler: Scheduler) -> str:
