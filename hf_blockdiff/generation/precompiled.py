@@ -15,6 +15,7 @@ skipped with a warning (docs/kernels.md, "Kernels and backends": compiled bookke
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import warnings
@@ -40,15 +41,11 @@ def use_directory(path: str | Path | None) -> None:
     _directory = None if path is None else Path(path)
 
 
-_SOURCE: list[str] = []
-
-
+@functools.cache
 def _source() -> str:
     """A digest of the library's Python source: another version's bookkeeping is traced anew."""
-    if not _SOURCE:
-        root = Path(__file__).resolve().parents[1]
-        _SOURCE.append(digest([path.read_text() for path in sorted(root.rglob("*.py"))]))
-    return _SOURCE[0]
+    root = Path(__file__).resolve().parents[1]
+    return digest([path.read_text() for path in sorted(root.rglob("*.py"))])
 
 
 def _no_tensor_work(error: Exception) -> bool:
