@@ -44,8 +44,7 @@ pytestmark = pytest.mark.skipif(not precompiled.AVAILABLE, reason="torch before 
 def bookkeeping_dir(tmp_path):
     precompiled.use_directory(tmp_path)
     _new_process()
-    yield tmp_path
-    precompiled.use_directory(None)
+    yield tmp_path  # conftest names no directory after the test
     _new_process()
 
 

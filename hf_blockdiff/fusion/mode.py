@@ -18,6 +18,7 @@ import hashlib
 import json
 import zlib
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -172,3 +173,12 @@ def environment() -> dict:
 def digest(value) -> str:
     """A short stable digest of a JSON-able value (the names of compiled artifacts' files)."""
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def keep_newest(directory: Path, count: int) -> None:
+    """Remove all but the `count` most recently written artifact files (`*.bin`, and a `.json` beside one) of
+    `directory`: the bound of a compile cache's directories."""
+    files = sorted(directory.glob("*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in files[count:]:
+        old.unlink(missing_ok=True)
+        old.with_suffix(".json").unlink(missing_ok=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..fusion.mode import compile_settings, digest, environment
+from ..fusion.mode import compile_settings, digest, environment, keep_newest
 from ..scheduler import Scheduler
 
 MAX_FILES = 64  # artifacts kept in the directory, newest first (a few hundred KB each)
@@ -95,6 +95,7 @@ class PrecompiledPhase:
             if compiled.guard_check(*args, **kwargs):
                 return compiled
         compiled = self._compile(args, kwargs)
+        compiled.disable_guard_check()  # `_variant` checks the guards before each call, once
         known.append(compiled)
         self._save(compiled, directory / f"{self.name}-{key}-{len(known) - 1}.bin")
         return compiled
@@ -110,8 +111,10 @@ class PrecompiledPhase:
         for path in sorted(directory.glob(f"{self.name}-{key}-*.bin")):
             try:
                 with path.open("rb") as file:
-                    loaded.append(torch.compiler.load_compiled_function(
-                        file, f_globals=vars(sys.modules[Scheduler.__module__])))
+                    compiled = torch.compiler.load_compiled_function(
+                        file, f_globals=vars(sys.modules[Scheduler.__module__]))
+                compiled.disable_guard_check()  # `_variant` checks the guards before each call, once
+                loaded.append(compiled)
             except Exception as error:  # a damaged file is a compile, never a crash
                 warnings.warn(f"compile cache {path}: not loadable ({type(error).__name__}: {error}); skipped.")
         return loaded
@@ -120,8 +123,7 @@ class PrecompiledPhase:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             compiled.save_compiled_function(str(path))  # written whole, then renamed into place
-            for old in sorted(path.parent.glob("*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)[MAX_FILES:]:
-                old.unlink(missing_ok=True)
+            keep_newest(path.parent, MAX_FILES)
         except OSError as error:
             warnings.warn(f"compile cache {path.parent}: not writable ({error}); the next process traces "
                           f"{self.name} again.")

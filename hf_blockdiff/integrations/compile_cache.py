@@ -6,9 +6,9 @@ build or before training starts (`hf-blockdiff warmup`).
 Our own Triton kernels are compiled by Triton, not torch.compile: `load` points Triton's cache (`TRITON_CACHE_DIR`,
 for the whole process) into the directory's `triton/` unless the variable is set, so their binaries travel too
 (Triton keys them by source, version and GPU), and the step's bookkeeping is compiled ahead of time into its
-`bookkeeping/` (generation/precompiled.py), which a later process loads instead of tracing. A file holds one model's artifacts (its config, dtype and
-tensor-parallel size) for one environment (torch, triton, GPU); the directory keeps the newest `MAX_FILES`, and its
-`triton/` the most recently written kernels within `MAX_TRITON_BYTES`. Several
+`bookkeeping/` (generation/precompiled.py), which a later process loads instead of tracing. A file holds one model's
+artifacts (its config, dtype and tensor-parallel size) for one environment (torch, triton, GPU); the directory keeps
+the newest `MAX_FILES`, and its `triton/` the most recently written kernels within `MAX_TRITON_BYTES`. Several
 processes may save at once (torchrun ranks): each writes a file of its own and renames it into place, so a reader
 sees a whole file. A directory that cannot be read or written, or holds only other environments' artifacts, gives a
 warning naming the cause and a cold start."""
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..config import BlockDiffusionConfig
-from ..fusion.mode import digest, environment
+from ..fusion.mode import digest, environment, keep_newest
 from ..generation import precompiled
 from ..patching import free_cache
 from ..weights.tensor_parallel import tensor_parallel_size
@@ -45,7 +45,8 @@ def cache_file(model, directory: str | os.PathLike) -> Path:
 
 def load(model, directory: str | os.PathLike) -> bool:
     """Load the artifacts saved for this model and environment into torch's caches, and point Triton's cache and
-    the bookkeeping's artifacts into the directory; False (with a warning where the directory says why) when there are none."""
+    the bookkeeping's artifacts into the directory; False (with a warning where the directory says why) when there
+    are none."""
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(directory).resolve() / "triton"))
     precompiled.use_directory(Path(directory) / "bookkeeping")
     path = cache_file(model, directory)
@@ -95,19 +96,12 @@ def save(model, directory: str | os.PathLike) -> Path | None:
             partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
             partial.write_bytes(data)
             os.replace(partial, target)
-        _keep_newest(path.parent)
+        keep_newest(path.parent, MAX_FILES)
         _bound_triton(path.parent / "triton")
     except OSError as error:
         warnings.warn(f"compile cache {directory}: not writable ({error}); nothing saved, the next process compiles.")
         return None
     return path
-
-
-def _keep_newest(directory: Path) -> None:
-    files = sorted(directory.glob("*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in files[MAX_FILES:]:
-        old.unlink(missing_ok=True)
-        old.with_suffix(".json").unlink(missing_ok=True)
 
 
 def _bound_triton(root: Path) -> None:
