@@ -7,6 +7,7 @@ import torch
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
 from hf_blockdiff.generation import engine as engine_module
+from hf_blockdiff.generation import precompiled
 from hf_blockdiff.generation.step import PHASES, DecodeStep, compiled_phase
 from hf_blockdiff.tools.bench import build_model
 from hf_blockdiff.kernels import flash
@@ -88,6 +89,37 @@ def test_compiled_bookkeeping_equals_eager_bookkeeping(mode, monkeypatch):
     assert compiled.num_forwards == eager.num_forwards
     for record in ("logprobs", "entropies", "commit_step"):
         assert torch.equal(getattr(compiled, record), getattr(eager, record)), record
+
+
+def test_bookkeeping_loaded_ahead_of_time_equals_eager_bookkeeping(tmp_path, monkeypatch):
+    """The step's bookkeeping compiled ahead of time into a compile cache, then loaded as a later process loads it
+    (nothing compiled in memory), beside compiled layers under CUDA graphs: the eager bookkeeping's tokens and
+    records, and no bookkeeping traced by torch.compile (generation/precompiled.py)."""
+    if not precompiled.AVAILABLE:
+        pytest.skip(f"torch {torch.__version__} has no aot_compile: the bookkeeping is traced in each process")
+    model = tiny_model("qwen3").to(CUDA)
+    prompts = random_prompts((9, 4, 6, 13, 5), seed=36)
+    run = dict(attention="block_causal", block_size=8, temperature=0.9, pos_temp_slope=0.7,
+               attention_backend="triton", cuda_graphs=True, compile=True)
+    precompiled.use_directory(tmp_path)
+    try:
+        generate(model, prompts, **run)  # traced ahead of time and saved; the layers compiled
+        free_cache(model)
+        assert sorted(path.name.split("-")[0] for path in tmp_path.glob("*.bin")) == sorted(PHASES)
+        compiled_phase.cache_clear()
+        traced, trace = [], precompiled.PrecompiledPhase._compile
+        monkeypatch.setattr(precompiled.PrecompiledPhase, "_compile",
+                            lambda self, args, kwargs: traced.append(self.name) or trace(self, args, kwargs))
+        loaded = generate(model, prompts, **run)
+        free_cache(model)
+    finally:
+        precompiled.use_directory(None)
+    assert traced == []  # every phase loaded from the directory
+    monkeypatch.setattr(engine_module, "DecodeStep", _eager_bookkeeping)
+    eager = generate(model, prompts, **run)
+    assert torch.equal(loaded.sequences, eager.sequences)
+    for record in ("logprobs", "entropies", "commit_step"):
+        assert torch.equal(getattr(loaded, record), getattr(eager, record)), record
 
 
 @pytest.mark.parametrize("max_batch_size, store", [(None, 0), (5, 0), (5, 64)])

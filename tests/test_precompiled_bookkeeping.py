@@ -36,7 +36,7 @@ def _new_process():
     torch._dynamo.reset()
 
 
-pytestmark = pytest.mark.skipif(not precompiled.AVAILABLE, reason="torch before 2.13 traces the bookkeeping in each "
+pytestmark = pytest.mark.skipif(not precompiled.AVAILABLE, reason="torch before 2.11 traces the bookkeeping in each "
                                 "process (generation/precompiled.py)")
 
 

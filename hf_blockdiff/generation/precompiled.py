@@ -10,7 +10,7 @@ checked: the decode config, whether rows sample by their own settings, the windo
 the environment (torch, triton, GPU), so one config's bookkeeping never runs another's. Sizes are symbols, as with
 torch.compile, so engines of other shapes reuse it; a call whose inputs fail every variant's guards compiles one
 more. Anything failing here (a trace torch cannot capture whole or serialize) warns once and the call goes back to
-torch.compile, as it always does before torch 2.13 (where this was not checked); an unreadable or damaged file is
+torch.compile, as it always does on a torch without `aot_compile` (before 2.11); an unreadable or damaged file is
 skipped with a warning (docs/kernels.md, "Kernels and backends": compiled bookkeeping)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import traceback
 import warnings
 import weakref
 from pathlib import Path
@@ -28,10 +29,10 @@ from ..fusion.mode import compile_settings, digest, environment, keep_newest
 from ..scheduler import Scheduler
 
 MAX_FILES = 64  # artifacts kept in the directory, newest first (a few hundred KB each)
-# torch's aot_compile (experimental) as checked here: 2.13, on the CPU (tests/test_precompiled_bookkeeping.py); an
-# older torch traces the bookkeeping in each process as before
-AVAILABLE = torch.torch_version.TorchVersion(torch.__version__) >= "2.13" and hasattr(
-    torch.compiler, "load_compiled_function")
+# torch's aot_compile (experimental; 2.11 and later, behind `enable_aot_compile` in 2.11), checked with torch 2.11 on
+# the GPU and 2.13 on the CPU (tests/test_precompiled_bookkeeping.py); an older torch traces the bookkeeping in each
+# process as before
+AVAILABLE = hasattr(torch._dynamo.config, "enable_aot_compile") and hasattr(torch.compiler, "load_compiled_function")
 _directory: Path | None = None
 
 
@@ -50,8 +51,10 @@ def _source() -> str:
 
 def _no_tensor_work(error: Exception) -> bool:
     """Whether aot_compile refused a call for having no graph: one with no tensor op in this mode (`stored` where
-    nothing is cached, bidirectional attention), which torch.compile runs for nothing too."""
-    return isinstance(error, AssertionError) and "backend_input" in str(error)
+    nothing is cached, bidirectional attention), which torch.compile runs for nothing too. Torch asserts that its
+    `backend_input` is set, a bare `assert` in 2.11, so the failing line tells, not the message."""
+    failing = traceback.extract_tb(error.__traceback__)[-1:] if isinstance(error, AssertionError) else []
+    return any("backend_input" in (frame.line or "") for frame in failing)
 
 
 class PrecompiledPhase:
@@ -103,7 +106,7 @@ class PrecompiledPhase:
     def _compile(self, args: tuple, kwargs: dict):
         """Traced whole, sizes as symbols (floats read as constants: aot_compile does not restart a trace that would
         make them tensors)."""
-        with compile_settings(), torch._dynamo.config.patch(specialize_float=True):
+        with compile_settings(), torch._dynamo.config.patch(specialize_float=True, enable_aot_compile=True):
             return torch.compile(self.function, dynamic=True, fullgraph=True).aot_compile((args, kwargs))
 
     def _load(self, directory: Path, key: str) -> list:
