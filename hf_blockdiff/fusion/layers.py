@@ -115,11 +115,10 @@ def _rotates_in_cache(attention: torch.nn.Module) -> bool:
             and norms[0].variance_epsilon == norms[1].variance_epsilon)
 
 
-def _attention(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
-               rotary_in_cache: bool, invariant: bool):
-    cache = kv_cache_argument(past_key_values, kwargs)
-    if cache is not None:  # the cache's parameter is the fourth on every version, whatever its name
-        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+def query_key_value(self, hidden_states, position_embeddings, rotary_in_cache: bool, invariant: bool = False):
+    """The attention's q, k and v as [R, heads, W, D] (one `grouped_linear`), and the rotary steps left to the cache's
+    write kernel (`blockdiff_rotary`: cos, sin, the q/k norms' weights or None, eps), or None where they were applied
+    here as transformers writes them."""
     input_shape = hidden_states.shape[:-1]
     projections = (self.q_proj, self.k_proj, self.v_proj)
     query, key, value = (
@@ -127,19 +126,43 @@ def _attention(self, hidden_states, position_embeddings, attention_mask, past_ke
         for out in grouped_linear(_flat(hidden_states), [p.weight for p in projections],
                                   [p.bias for p in projections], invariant))
     cos, sin = position_embeddings
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-    if rotary_in_cache and attention is blockdiff_attention_forward:  # the cache's write kernel norms and rotates
+    if rotary_in_cache:
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon) if hasattr(self, "q_norm") \
             else (None, None, 0.0)
-        kwargs["blockdiff_rotary"] = (cos, sin, *norms)
-    else:
-        if hasattr(self, "q_norm"):
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
-    attended, weights = attention(
-        self, query, key, value, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
-        scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
-    return _project(self.o_proj, attended.reshape(*input_shape, -1).contiguous(), invariant), weights
+        return query, key, value, (cos, sin, *norms)
+    if hasattr(self, "q_norm"):
+        query, key = self.q_norm(query), self.k_norm(key)
+    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    return query, key, value, None
+
+
+def attend(self, query, key, value, attention_mask, rotary, kwargs):
+    """The configured attention function on q, k, v as `query_key_value` gave them: [R, W, heads, D] and weights."""
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+    extra = {} if rotary is None else {"blockdiff_rotary": rotary}
+    return attention(self, query, key, value, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+                     scaling=self.scaling, sliding_window=self.sliding_window, **kwargs, **extra)
+
+
+def output_projection(self, attended: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    return _project(self.o_proj, attended.reshape(*attended.shape[:2], -1).contiguous(), invariant)
+
+
+def rotates_in_cache_now(self, rotary_in_cache: bool) -> bool:
+    """Whether this forward hands q/k to the cache as projected: the attention takes it, and it is hf_blockdiff's."""
+    return rotary_in_cache and ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward) is blockdiff_attention_forward
+
+
+def _attention(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
+               rotary_in_cache: bool, invariant: bool):
+    cache = kv_cache_argument(past_key_values, kwargs)
+    if cache is not None:  # the cache's parameter is the fourth on every version, whatever its name
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+    query, key, value, rotary = query_key_value(self, hidden_states, position_embeddings,
+                                                rotates_in_cache_now(self, rotary_in_cache), invariant)
+    attended, weights = attend(self, query, key, value, attention_mask, rotary, kwargs)
+    return output_projection(self, attended, invariant), weights
 
 
 def fused_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,

@@ -3,7 +3,8 @@
 `decoding_mode(model, fusion)` routes the model's attention through hf_blockdiff for the duration of a block and,
 with `fusion="norms"`, runs its stock RMSNorms as one Triton kernel each, with `fusion="compile"` its decoder layers
 through torch.compile (inductor fuses norms, rotary embedding and the gated MLP's activation; the cache write and the
-attention stay eager between the compiled pieces). With either fusion the stock Qwen attentions run q/k/v as one
+attention stay eager between the compiled pieces: two regions a layer where its attention runs fused,
+`fusion/regions.py`). With either fusion the stock Qwen attentions run q/k/v as one
 op and their q/k norms and rotary embedding in the cache's write kernel, and with `skinny=True` (the executor's
 choice when its denoising forwards hold few tokens) the stock gated MLPs run as skinny-GEMM ops too, and with
 `fusion="norms"` the stock decoder layers with their residual adds fused (`fusion/layers.py`); with either fusion the
@@ -30,7 +31,8 @@ from ..kernels.skinny_gemm import MAX_ROWS
 from ..weights.quantization import compiles_well
 from ..weights.tensor_parallel import tensor_parallel_size
 from .experts import fused_experts
-from .layers import fused_forwards
+from .layers import fused_forwards, rotary_in_cache_attention_forward
+from .regions import in_regions, regions_forward
 
 # transformers' RMSNorm classes whose forward is exactly kernels.rmsnorm.rms_norm_reference
 STOCK_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm")
@@ -146,8 +148,12 @@ def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = F
     for module, forward in projections:
         module.forward = forward
     dynamic = shape_policy(model) if layers else None  # read only when compiling: this runs at every forward
+    fused = {id(module): forward for module, forward in projections}
     for layer in layers:
-        layer.forward = compiled_forward(type(layer), dynamic).__get__(layer)
+        attention = fused.get(id(getattr(layer, "self_attn", None)))
+        layer.forward = (regions_forward(layer, dynamic, attention.__func__ is rotary_in_cache_attention_forward)
+                         if in_regions(layer, attention is not None) else
+                         compiled_forward(type(layer), dynamic).__get__(layer))
     try:
         with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), \
                 compile_settings(profile_job(model) if layers else None):
