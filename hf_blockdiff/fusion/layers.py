@@ -89,14 +89,26 @@ def fused_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = Non
     return linear_residual(hidden, down.weight, down.bias, _flat(residual), invariant).view(residual.shape)
 
 
+def stock_with_cache(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+                     position_embeddings, kwargs):
+    """The stock decoder layer's output where the forward was given a transformers cache, else None (the caller's
+    fused path runs)."""
+    cache = kv_cache_argument(past_key_values, kwargs)
+    if cache is None:
+        return None
+    # the cache's parameter is the fourth on every version, whatever its name
+    return type(self).forward(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings,
+                              **kwargs)
+
+
 def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                         use_cache=False, position_embeddings=None, invariant=False, **kwargs):
     """transformers' decoder layer with its residual adds in other launches: after the attention in the
     post-attention RMSNorm's (`add_rms_norm`), after the MLP in the down projection's (`linear_residual`)."""
-    cache = kv_cache_argument(past_key_values, kwargs)
-    if cache is not None:  # the cache's parameter is the fourth on every version, whatever its name
-        return type(self).forward(self, hidden_states, attention_mask, position_ids, cache, use_cache,
-                                  position_embeddings, **kwargs)
+    stock = stock_with_cache(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+                             position_embeddings, kwargs)
+    if stock is not None:
+        return stock
     attended, _ = self.self_attn(
         hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
         use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
@@ -136,12 +148,17 @@ def query_key_value(self, hidden_states, position_embeddings, rotary_in_cache: b
     return query, key, value, None
 
 
+def _interface(self):
+    """The attention function the model's config names."""
+    return ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+
+
 def attend(self, query, key, value, attention_mask, rotary, kwargs):
     """The configured attention function on q, k, v as `query_key_value` gave them: [R, W, heads, D] and weights."""
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
     extra = {} if rotary is None else {"blockdiff_rotary": rotary}
-    return attention(self, query, key, value, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
-                     scaling=self.scaling, sliding_window=self.sliding_window, **kwargs, **extra)
+    return _interface(self)(self, query, key, value, attention_mask,
+                            dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
+                            sliding_window=self.sliding_window, **kwargs, **extra)
 
 
 def output_projection(self, attended: torch.Tensor, invariant: bool = False) -> torch.Tensor:
@@ -150,8 +167,7 @@ def output_projection(self, attended: torch.Tensor, invariant: bool = False) -> 
 
 def rotates_in_cache_now(self, rotary_in_cache: bool) -> bool:
     """Whether this forward hands q/k to the cache as projected: the attention takes it, and it is hf_blockdiff's."""
-    return rotary_in_cache and ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, eager_attention_forward) is blockdiff_attention_forward
+    return rotary_in_cache and _interface(self) is blockdiff_attention_forward
 
 
 def _attention(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,

@@ -152,7 +152,7 @@ def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = F
     for layer in layers:
         attention = fused.get(id(getattr(layer, "self_attn", None)))
         layer.forward = (regions_forward(layer, dynamic, attention.__func__ is rotary_in_cache_attention_forward)
-                         if in_regions(layer, attention is not None) else
+                         if in_regions(layer, attention is not None, invariant) else
                          compiled_forward(type(layer), dynamic).__get__(layer))
     try:
         with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), \

@@ -1,12 +1,15 @@
 """Compiled decoder layers in two regions around their attention, for the Qwen-style layers whose attention runs
 fused (`fusion/layers.py`): `before_attention` (input RMSNorm, q/k/v, and the q/k norms and rotary embedding unless
 the cache's write kernel applies them) and `after_attention` (output projection, residual, post-attention RMSNorm,
-MLP, residual), each traced whole by torch.compile, with the cache write and the attention eager between them.
+MLP, residual), each through torch.compile, with the cache write and the attention eager between them.
 
 The stock layer compiled whole breaks its graph inside the attention, calls below the layer: dynamo then traces the
 layer again up to the call, then each function down to the attention call, and resumes each one, five frames or
-more and several passes over the ops before the attention. Two regions are two frames traced once each, the same
-graphs (docs/benchmarks.md, "Eval loops"). Other layers compile whole (`mode.compiled_forward`).
+more and several passes over the ops before the attention. The two regions are two frames for the same graphs
+(docs/benchmarks.md, "Eval loops"). They are not compiled with `fullgraph=True`: an MLP that breaks a graph (stock
+experts where the experts op does not run) splits its region, and past dynamo's recompile limit (the regions' code
+is shared by every layer class and width in the process) a region runs eager with dynamo's warning, as a whole
+layer did. Other layers compile whole (`mode.compiled_forward`).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import functools
 
 import torch
 
-from ..cache.keyword import kv_cache_argument
-from .layers import DECODER_LAYERS, attend, output_projection, query_key_value, rotates_in_cache_now, unhooked
+from .layers import (
+    DECODER_LAYERS, attend, output_projection, query_key_value, rotates_in_cache_now, stock_with_cache, unhooked,
+)
 
 
 def before_attention(layer, hidden_states, position_embeddings, rotary_in_cache: bool):
@@ -32,14 +36,14 @@ def after_attention(layer, attended, residual):
 @functools.cache
 def compiled_regions(dynamic: bool | None):
     """The two regions through torch.compile, shared by every layer (its weights are the graphs' inputs)."""
-    return (torch.compile(before_attention, dynamic=dynamic, fullgraph=True),
-            torch.compile(after_attention, dynamic=dynamic, fullgraph=True))
+    return torch.compile(before_attention, dynamic=dynamic), torch.compile(after_attention, dynamic=dynamic)
 
 
-def in_regions(layer: torch.nn.Module, fused_attention: bool) -> bool:
+def in_regions(layer: torch.nn.Module, fused_attention: bool, invariant: bool) -> bool:
     """Whether the layer compiles as two regions: a listed decoder layer (whose forward is the one `regions_forward`
-    runs), unhooked, whose attention runs fused."""
-    return fused_attention and type(layer) in DECODER_LAYERS and unhooked(layer)
+    runs), unhooked, whose attention runs fused, outside the batch-invariant mode (whose GEMMs the regions do not
+    launch)."""
+    return fused_attention and not invariant and type(layer) in DECODER_LAYERS and unhooked(layer)
 
 
 def regions_forward(layer: torch.nn.Module, dynamic: bool | None, rotary_in_cache: bool):
@@ -49,13 +53,15 @@ def regions_forward(layer: torch.nn.Module, dynamic: bool | None, rotary_in_cach
 
     def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
-        cache = kv_cache_argument(past_key_values, kwargs)
-        if cache is not None:  # a transformers cache: the stock layer
-            return type(layer).forward(layer, hidden_states, attention_mask, position_ids, cache, use_cache,
-                                       position_embeddings, **kwargs)
+        stock = stock_with_cache(layer, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+                                 position_embeddings, kwargs)
+        if stock is not None:
+            return stock
         attention = layer.self_attn
         query, key, value, rotary = before(layer, hidden_states, position_embeddings,
                                            rotates_in_cache_now(attention, rotary_in_cache))
+        # what the stock layer hands its attention, which passes it on to the attention function
+        kwargs.update(position_ids=position_ids, use_cache=use_cache)
         attended, _ = attend(attention, query, key, value, attention_mask, rotary, kwargs)
         return after(layer, attended, hidden_states)
 

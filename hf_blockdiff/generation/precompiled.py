@@ -16,6 +16,7 @@ skipped with a warning (docs/kernels.md, "Kernels and backends": compiled bookke
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import traceback
@@ -30,8 +31,8 @@ from ..scheduler import Scheduler
 
 MAX_FILES = 64  # artifacts kept in the directory, newest first (a few hundred KB each)
 # torch's aot_compile (experimental; 2.11 and later, behind `enable_aot_compile` in 2.11), checked with torch 2.11 on
-# the GPU and 2.13 on the CPU (tests/test_precompiled_bookkeeping.py); an older torch traces the bookkeeping in each
-# process as before
+# the GPU and the CPU and with 2.13 on the CPU (tests/test_precompiled_bookkeeping.py); an older torch traces the
+# bookkeeping in each process as before
 AVAILABLE = hasattr(torch._dynamo.config, "enable_aot_compile") and hasattr(torch.compiler, "load_compiled_function")
 _directory: Path | None = None
 
@@ -52,9 +53,11 @@ def _source() -> str:
 def _no_tensor_work(error: Exception) -> bool:
     """Whether aot_compile refused a call for having no graph: one with no tensor op in this mode (`stored` where
     nothing is cached, bidirectional attention), which torch.compile runs for nothing too. Torch asserts that its
-    `backend_input` is set, a bare `assert` in 2.11, so the failing line tells, not the message."""
+    `backend_input` is set in `aot_compile_fullgraph`, with a bare `assert` in 2.11, so the failing frame tells, not
+    the message (its line, where the source is at hand)."""
     failing = traceback.extract_tb(error.__traceback__)[-1:] if isinstance(error, AssertionError) else []
-    return any("backend_input" in (frame.line or "") for frame in failing)
+    return any(frame.name == "aot_compile_fullgraph" and "backend_input" in (frame.line or "backend_input")
+               for frame in failing)
 
 
 class PrecompiledPhase:
@@ -125,7 +128,10 @@ class PrecompiledPhase:
     def _save(self, compiled, path: Path) -> None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            compiled.save_compiled_function(str(path))  # written whole, then renamed into place
+            # written whole, then renamed into place (torch 2.11's `save_compiled_function` writes in place)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+            partial.write_bytes(type(compiled).serialize(compiled).serialized_data)
+            os.replace(partial, path)
             keep_newest(path.parent, MAX_FILES)
         except OSError as error:
             warnings.warn(f"compile cache {path.parent}: not writable ({error}); the next process traces "
