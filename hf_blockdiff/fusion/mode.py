@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -179,6 +180,14 @@ def environment() -> dict:
 def digest(value) -> str:
     """A short stable digest of a JSON-able value (the names of compiled artifacts' files)."""
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Write `data` to a file of this process beside `path`, then rename it into place: a reader, or another process
+    writing the same artifact (torchrun ranks), never sees part of a file."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
 
 
 def keep_newest(directory: Path, count: int) -> None:

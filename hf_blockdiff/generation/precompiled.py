@@ -16,7 +16,6 @@ skipped with a warning (docs/kernels.md, "Kernels and backends": compiled bookke
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 import traceback
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..fusion.mode import compile_settings, digest, environment, keep_newest
+from ..fusion.mode import compile_settings, digest, environment, keep_newest, write_whole
 from ..scheduler import Scheduler
 
 MAX_FILES = 64  # artifacts kept in the directory, newest first (a few hundred KB each)
@@ -128,10 +127,8 @@ class PrecompiledPhase:
     def _save(self, compiled, path: Path) -> None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # written whole, then renamed into place (torch 2.11's `save_compiled_function` writes in place)
-            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-            partial.write_bytes(type(compiled).serialize(compiled).serialized_data)
-            os.replace(partial, path)
+            # not `save_compiled_function`, which writes in place on torch 2.11
+            write_whole(path, type(compiled).serialize(compiled).serialized_data)
             keep_newest(path.parent, MAX_FILES)
         except OSError as error:
             warnings.warn(f"compile cache {path.parent}: not writable ({error}); the next process traces "

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..config import BlockDiffusionConfig
-from ..fusion.mode import digest, environment, keep_newest
+from ..fusion.mode import digest, environment, keep_newest, write_whole
 from ..generation import precompiled
 from ..patching import free_cache
 from ..weights.tensor_parallel import tensor_parallel_size
@@ -93,9 +93,7 @@ def save(model, directory: str | os.PathLike) -> Path | None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         for target, data in ((path, artifacts[0]), (path.with_suffix(".json"), json.dumps(environment()).encode())):
-            partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
-            partial.write_bytes(data)
-            os.replace(partial, target)
+            write_whole(target, data)
         keep_newest(path.parent, MAX_FILES)
         _bound_triton(path.parent / "triton")
     except OSError as error:
