@@ -91,13 +91,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _no_bookkeeping_directory_left():
-    """`compile_cache.load` names a directory for the bookkeeping's artifacts for the whole process: not past the
-    test that loaded one."""
+def _no_ahead_of_time_directory_left():
+    """`compile_cache.load` names a directory for the artifacts compiled ahead of time, for the whole process: not
+    past the test that loaded one."""
     yield
-    from hf_blockdiff.generation import precompiled
+    from hf_blockdiff.fusion import ahead_of_time
 
-    precompiled.use_directory(None)
+    ahead_of_time.use_directory(None)
 
 
 @pytest.fixture(scope="session")

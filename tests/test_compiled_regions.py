@@ -1,14 +1,35 @@
 """Compiled decoder layers in two regions around their attention (fusion/regions.py): a fused Qwen-style layer is
 traced as `before_attention` and `after_attention`, whole, and nothing else of the layer, and decodes the tokens of
-the same fused layers uncompiled."""
+the same fused layers uncompiled; where a compile cache is named, a later process loads the regions instead of
+tracing them (fusion/ahead_of_time.py)."""
 
+import pytest
 import torch
-from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
+from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
-from hf_blockdiff.fusion import regions
+from hf_blockdiff.fusion import ahead_of_time, regions
+from hf_blockdiff.fusion.mode import decoder_layers, decoding_mode
 
 from helpers import MASK, left_pad, random_prompts
+
+CFG = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=4, threshold=0.6, eos_token_id=[],
+                           attention="block_causal", attention_backend="triton")
+
+
+def _decode(model, compile_):
+    ids, mask = left_pad(random_prompts((11, 6), seed=3))
+    out = model.generate_multi_block(ids, CFG.replace(compile=compile_), attention_mask=mask)
+    free_cache(model)
+    return out
+
+
+def _new_process():
+    """What a new process has: nothing compiled in memory (a compile cache's directory stays)."""
+    torch._dynamo.reset()
+    for region in regions.AHEAD_OF_TIME:
+        region.variants.clear()
+        region.failed.clear()
 
 
 def _traced_regions(dynamic):
@@ -20,18 +41,46 @@ def _traced_regions(dynamic):
 
 def test_fused_layers_compile_as_two_whole_regions_and_decode_the_uncompiled_tokens(qwen3, monkeypatch):
     monkeypatch.setattr(regions, "compiled_regions", _traced_regions)
-    ids, mask = left_pad(random_prompts((11, 6), seed=3))
-    cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=4, threshold=0.6, eos_token_id=[],
-                               attention="block_causal", attention_backend="triton")
-    free_cache(qwen3)
-    uncompiled = qwen3.generate_multi_block(ids, cfg.replace(compile=False), attention_mask=mask)
-    free_cache(qwen3)
+    uncompiled = _decode(qwen3, False)
     torch._dynamo.reset()
     clear_compilation_metrics()
-    compiled = qwen3.generate_multi_block(ids, cfg.replace(compile=True), attention_mask=mask)
-    free_cache(qwen3)
+    compiled = _decode(qwen3, True)
     traced = {metrics.co_name for metrics in get_compilation_metrics()}
     torch._dynamo.reset()  # the shared regions' cache entries: none left for later tests to count
     assert {"before_attention", "after_attention"} <= traced
     assert not traced & {"forward", "rotary_in_cache_attention_forward", "_attention", "attend"}, traced
     assert torch.equal(compiled, uncompiled)
+
+
+@pytest.mark.skipif(not ahead_of_time.AVAILABLE, reason="torch before 2.11 has no aot_compile: the regions are "
+                    "traced in each process (fusion/ahead_of_time.py)")
+def test_a_later_process_loads_the_regions_instead_of_tracing_them(qwen3, tmp_path, monkeypatch, recwarn):
+    uncompiled = _decode(qwen3, False)
+    ahead_of_time.use_directory(tmp_path)  # conftest names no directory after the test
+    compiled, trace = [], ahead_of_time.AheadOfTime._compile
+    monkeypatch.setattr(ahead_of_time.AheadOfTime, "_compile",
+                        lambda self, args, kwargs: compiled.append(self.name) or trace(self, args, kwargs))
+    try:
+        _new_process()
+        first = _decode(qwen3, True)  # traced whole ahead of time (aot_compile takes no graph break) and saved
+        assert compiled == ["before_attention", "after_attention"]  # one variant each, prefill and steps alike
+        assert {path.name.split("-")[0] for path in (tmp_path / "regions").glob("*.bin")} == set(compiled)
+        _new_process()
+        compiled.clear()
+        frames = counters["frames"]["ok"]
+        later = _decode(qwen3, True)
+    finally:
+        _new_process()
+    assert compiled == [] and counters["frames"]["ok"] == frames  # loaded: neither aot_compile nor torch.compile
+    assert not [w for w in recwarn if "ahead of time" in str(w.message) or "compile cache" in str(w.message)]
+    assert torch.equal(first, uncompiled) and torch.equal(later, uncompiled)
+
+
+def test_another_installed_forward_is_another_artifact(qwen3):
+    """An artifact drops its guards on the forwards set on the layer's modules: its key tells them apart."""
+    layer = decoder_layers(qwen3)[0]
+    keys = [regions.artifact_key(layer)]
+    for skinny in (False, True):  # the gated MLP's stock forward, then its skinny-GEMM one
+        with decoding_mode(qwen3, "compile", skinny=skinny):
+            keys.append(regions.artifact_key(layer))
+    assert len(set(keys)) == 3

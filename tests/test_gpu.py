@@ -9,7 +9,7 @@ import torch
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
 from hf_blockdiff.generation import engine as engine_module
-from hf_blockdiff.generation import precompiled
+from hf_blockdiff.fusion import ahead_of_time, regions
 from hf_blockdiff.generation.step import PHASES, DecodeStep, compiled_phase
 from hf_blockdiff.tools.bench import build_model
 from hf_blockdiff.kernels import flash
@@ -93,36 +93,43 @@ def test_compiled_bookkeeping_equals_eager_bookkeeping(mode, monkeypatch):
         assert torch.equal(getattr(compiled, record), getattr(eager, record)), record
 
 
-def test_bookkeeping_loaded_ahead_of_time_equals_eager_bookkeeping(tmp_path, monkeypatch):
-    """The step's bookkeeping compiled ahead of time into a compile cache, then loaded as a later process loads it
-    (nothing compiled in memory), beside compiled layers under CUDA graphs: the eager bookkeeping's tokens and
-    records, and no bookkeeping traced by torch.compile (generation/precompiled.py)."""
-    if not precompiled.AVAILABLE:
-        pytest.skip(f"torch {torch.__version__} has no aot_compile: the bookkeeping is traced in each process")
+def test_bookkeeping_and_regions_loaded_ahead_of_time_decode_as_eager(tmp_path, monkeypatch):
+    """The step's bookkeeping and the layers' regions compiled ahead of time into a compile cache, then loaded as a
+    later process loads them (nothing compiled in memory), under CUDA graphs: nothing traced, the uncompiled sdpa
+    decode's tokens, and the eager bookkeeping's tokens and records (generation/precompiled.py,
+    fusion/regions.py)."""
+    if not ahead_of_time.AVAILABLE:
+        pytest.skip(f"torch {torch.__version__} has no aot_compile: both are traced in each process")
     model = tiny_model("qwen3").to(CUDA)
     prompts = random_prompts((9, 4, 6, 13, 5), seed=36)
-    run = dict(attention="block_causal", block_size=8, temperature=0.9, pos_temp_slope=0.7,
-               attention_backend="triton", cuda_graphs=True, compile=True)
-    precompiled.use_directory(tmp_path)
+    mode = dict(attention="block_causal", block_size=8, temperature=0.9, pos_temp_slope=0.7)
+    run = dict(attention_backend="triton", cuda_graphs=True, compile=True, **mode)
+    reference = generate(model, prompts, attention_backend="sdpa", cuda_graphs=False, compile=False, **mode)
+    ahead_of_time.use_directory(tmp_path)
     try:
-        generate(model, prompts, **run)  # traced ahead of time and saved; the layers compiled
+        generate(model, prompts, **run)  # traced ahead of time and saved
         free_cache(model)
-        assert {path.name.split("-")[0] for path in tmp_path.glob("*.bin")} == set(PHASES)
+        assert {path.name.split("-")[0] for path in tmp_path.glob("bookkeeping/*.bin")} == set(PHASES)
+        assert {path.name.split("-")[0] for path in tmp_path.glob("regions/*.bin")} == {
+            "before_attention", "after_attention"}
         compiled_phase.cache_clear()  # a later process: nothing compiled in memory
         torch._dynamo.reset()
-        traced, trace = [], precompiled.PrecompiledPhase._compile
-        monkeypatch.setattr(precompiled.PrecompiledPhase, "_compile",
+        for region in regions.AHEAD_OF_TIME:
+            region.variants.clear()
+        traced, trace = [], ahead_of_time.AheadOfTime._compile
+        monkeypatch.setattr(ahead_of_time.AheadOfTime, "_compile",
                             lambda self, args, kwargs: traced.append(self.name) or trace(self, args, kwargs))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             loaded = generate(model, prompts, **run)
         free_cache(model)
+        monkeypatch.setattr(engine_module, "DecodeStep", _eager_bookkeeping)
+        eager = generate(model, prompts, **run)  # the regions as loaded, the bookkeeping eager
     finally:
-        precompiled.use_directory(None)
-    assert traced == []  # every phase loaded from the directory
+        ahead_of_time.use_directory(None)
+    assert traced == []  # every phase and region loaded from the directory
     assert not [w for w in caught if "ahead of time" in str(w.message) or "compile cache" in str(w.message)]
-    monkeypatch.setattr(engine_module, "DecodeStep", _eager_bookkeeping)
-    eager = generate(model, prompts, **run)
+    assert torch.equal(loaded.sequences, reference.sequences)
     assert torch.equal(loaded.sequences, eager.sequences)
     for record in ("logprobs", "entropies", "commit_step"):
         assert torch.equal(getattr(loaded, record), getattr(eager, record)), record

@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
 from hf_blockdiff.generation import engine as engine_module
+from hf_blockdiff.fusion import ahead_of_time
 from hf_blockdiff.generation import precompiled
 from hf_blockdiff.generation import step as step_module
 from hf_blockdiff.generation.step import PHASES, DecodeStep
@@ -36,15 +37,15 @@ def _new_process():
     torch._dynamo.reset()
 
 
-pytestmark = pytest.mark.skipif(not precompiled.AVAILABLE, reason="torch before 2.11 traces the bookkeeping in each "
+pytestmark = pytest.mark.skipif(not ahead_of_time.AVAILABLE, reason="torch before 2.11 traces the bookkeeping in each "
                                 "process (generation/precompiled.py)")
 
 
 @pytest.fixture
 def bookkeeping_dir(tmp_path):
-    precompiled.use_directory(tmp_path)
+    ahead_of_time.use_directory(tmp_path)
     _new_process()
-    yield tmp_path  # conftest names no directory after the test
+    yield tmp_path / "bookkeeping"  # conftest names no directory after the test
     _new_process()
 
 
@@ -57,8 +58,8 @@ def test_a_later_process_loads_the_bookkeeping_instead_of_tracing_it(qwen3, book
     next(bookkeeping_dir.glob("stored-*.bin")).write_bytes(b"damaged")
     _new_process()
     compiled = []
-    trace = precompiled.PrecompiledPhase._compile
-    monkeypatch.setattr(precompiled.PrecompiledPhase, "_compile",
+    trace = ahead_of_time.AheadOfTime._compile
+    monkeypatch.setattr(ahead_of_time.AheadOfTime, "_compile",
                         lambda self, args, kwargs: compiled.append(self.name) or trace(self, args, kwargs))
     frames = counters["frames"]["ok"]
     with pytest.warns(UserWarning, match="not loadable"):

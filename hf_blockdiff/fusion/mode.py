@@ -15,12 +15,8 @@ raises.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import os
 import zlib
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
@@ -31,6 +27,7 @@ from ..kernels.rmsnorm import rms_norm
 from ..kernels.skinny_gemm import MAX_ROWS
 from ..weights.quantization import compiles_well
 from ..weights.tensor_parallel import tensor_parallel_size
+from .compiling import compile_settings
 from .experts import fused_experts
 from .layers import fused_forwards, rotary_in_cache_attention_forward
 from .regions import in_regions, regions_forward
@@ -117,20 +114,6 @@ def profile_job(model) -> str:
 
 
 @contextmanager
-def compile_settings(job: str | None = None):
-    """How torch.compile traces our compiled code, the decoder layers and the step's bookkeeping:
-    - every size its own symbol (no duck sizing): slots equal to the heads by chance would tie them, and a call of
-      another batch would recompile;
-    - with `job` (`profile_job`; a job id the user set wins), dynamo keeps its profile of the dimensions that turned
-      dynamic in inductor's cache directory (and in `hf-blockdiff warmup`'s artifacts), so a later process compiles
-      the layers with the token dimension dynamic at once, instead of static at the prefill and again at the first
-      step (docs/benchmarks.md, "Eval loops")."""
-    with torch.fx.experimental._config.patch(use_duck_shape=False), \
-            torch.compiler.config.patch(job_id=torch.compiler.config.job_id or job):
-        yield
-
-
-@contextmanager
 def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = False, invariant: bool = False):
     """The model's forwards in `fusion`'s mode for the block (module docstring); `invariant`: the fused forwards'
     GEMMs in their batch-invariant launches (`fusion/invariant.py`). The fused forwards go in only where Triton's
@@ -149,10 +132,12 @@ def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = F
     for module, forward in projections:
         module.forward = forward
     dynamic = shape_policy(model) if layers else None  # read only when compiling: this runs at every forward
+    one_gpu = not layers or tensor_parallel_size(model) == 1
     fused = {id(module): forward for module, forward in projections}
     for layer in layers:
         attention = fused.get(id(getattr(layer, "self_attn", None)))
-        layer.forward = (regions_forward(layer, dynamic, attention.__func__ is rotary_in_cache_attention_forward)
+        layer.forward = (regions_forward(layer, dynamic, attention.__func__ is rotary_in_cache_attention_forward,
+                                         one_gpu)
                          if in_regions(layer, attention is not None, invariant) else
                          compiled_forward(type(layer), dynamic).__get__(layer))
     try:
@@ -163,37 +148,3 @@ def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = F
         config._attn_implementation = previous
         for module in norms + layers + [module for module, _ in projections]:
             del module.forward
-
-
-def environment() -> dict:
-    """What compiled artifacts are valid for: torch, triton and the GPU (or the CPU)."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"torch": torch.__version__, "triton": triton_version, "device": device}
-
-
-def digest(value) -> str:
-    """A short stable digest of a JSON-able value (the names of compiled artifacts' files)."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def write_whole(path: Path, data: bytes) -> None:
-    """Write `data` to a file of this process beside `path`, then rename it into place: a reader, or another process
-    writing the same artifact (torchrun ranks), never sees part of a file."""
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    partial.write_bytes(data)
-    os.replace(partial, path)
-
-
-def keep_newest(directory: Path, count: int) -> None:
-    """Remove all but the `count` most recently written artifact files (`*.bin`, and a `.json` beside one) of
-    `directory`: the bound of a compile cache's directories."""
-    files = sorted(directory.glob("*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in files[count:]:
-        old.unlink(missing_ok=True)
-        old.with_suffix(".json").unlink(missing_ok=True)

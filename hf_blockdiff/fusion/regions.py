@@ -10,6 +10,12 @@ more and several passes over the ops before the attention. The two regions are t
 experts where the experts op does not run) splits its region, and past dynamo's recompile limit (the regions' code
 is shared by every layer class and width in the process) a region runs eager with dynamo's warning, as a whole
 layer did. Other layers compile whole (`mode.compiled_forward`).
+
+Where the user names a compile cache, the regions of a one-GPU model are compiled ahead of time into its `regions/`
+(`fusion/ahead_of_time.py`), traced whole with rows and tokens as symbols, and a later process loads them instead of
+tracing them (docs/benchmarks.md, "Eval loops"). An artifact's key is what its dropped guards would have checked:
+each module's class and hooks and the forward installed on it (the fused forwards, the experts op). A region that
+cannot be traced whole there (stock experts) warns once and compiles in each process.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import functools
 
 import torch
 
+from .ahead_of_time import AheadOfTime
 from .layers import (
     DECODER_LAYERS, attend, output_projection, query_key_value, rotates_in_cache_now, stock_with_cache, unhooked,
 )
@@ -39,6 +46,32 @@ def compiled_regions(dynamic: bool | None):
     return torch.compile(before_attention, dynamic=dynamic), torch.compile(after_attention, dynamic=dynamic)
 
 
+def _name(function) -> str | None:
+    function = getattr(function, "__func__", function)
+    return None if function is None else f"{function.__module__}.{getattr(function, '__qualname__', function)}"
+
+
+def artifact_key(layer: torch.nn.Module) -> str:
+    """What an artifact of the layer's regions was traced for beyond its guards: each module's class, the forward set
+    on it while decoding, and its hooks."""
+    return repr(tuple((_name(type(m)), _name(vars(m).get("forward")),
+                       tuple(map(_name, [*m._forward_pre_hooks.values(), *m._forward_hooks.values()])))
+                      for m in layer.modules()))
+
+
+AHEAD_OF_TIME = [AheadOfTime(region.__name__, region, "regions", globals()) for region in (before_attention,
+                                                                                            after_attention)]
+
+
+def _loaded_first(ahead: AheadOfTime, compiled, key):
+    """The region as loaded from (or compiled ahead of time into) the compile cache, else as torch.compile runs it."""
+    def region(layer, *args):
+        saved = ahead.variant(key(layer), (layer, *args), {})
+        return (compiled if saved is None else saved)(layer, *args)
+
+    return region
+
+
 def in_regions(layer: torch.nn.Module, fused_attention: bool, invariant: bool) -> bool:
     """Whether the layer compiles as two regions: a listed decoder layer (whose forward is the one `regions_forward`
     runs), unhooked, whose attention runs fused, outside the batch-invariant mode (whose GEMMs the regions do not
@@ -46,10 +79,15 @@ def in_regions(layer: torch.nn.Module, fused_attention: bool, invariant: bool) -
     return fused_attention and not invariant and type(layer) in DECODER_LAYERS and unhooked(layer)
 
 
-def regions_forward(layer: torch.nn.Module, dynamic: bool | None, rotary_in_cache: bool):
+def regions_forward(layer: torch.nn.Module, dynamic: bool | None, rotary_in_cache: bool, ahead_of_time: bool):
     """The layer's forward as the compiled regions and the eager attention between them; `rotary_in_cache`: its
-    attention's fused forward hands q/k to the cache as projected (`fusion.layers._rotates_in_cache`)."""
+    attention's fused forward hands q/k to the cache as projected (`fusion.layers._rotates_in_cache`);
+    `ahead_of_time`: the regions loaded from a compile cache where one is named (one GPU: no collective in them)."""
     before, after = compiled_regions(dynamic)
+    if ahead_of_time:
+        layer_key = functools.cache(artifact_key)  # once a forward (the forwards set on its modules are this forward's)
+        before, after = (_loaded_first(ahead, compiled, layer_key)
+                         for ahead, compiled in zip(AHEAD_OF_TIME, (before, after)))
 
     def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):

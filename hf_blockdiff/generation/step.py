@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from ..fusion.mode import compile_settings
+from ..fusion.compiling import compile_settings
 from ..scheduler import Decision, ForwardLayout, Scheduler, Stored
 from ..scheduler.settings import SlotSettings
 from .executor import ModelExecutor

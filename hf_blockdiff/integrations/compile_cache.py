@@ -5,8 +5,9 @@ build or before training starts (`hf-blockdiff warmup`).
 
 Our own Triton kernels are compiled by Triton, not torch.compile: `load` points Triton's cache (`TRITON_CACHE_DIR`,
 for the whole process) into the directory's `triton/` unless the variable is set, so their binaries travel too
-(Triton keys them by source, version and GPU), and the step's bookkeeping is compiled ahead of time into its
-`bookkeeping/` (generation/precompiled.py), which a later process loads instead of tracing. A file holds one model's
+(Triton keys them by source, version and GPU), and the step's bookkeeping and the compiled layers' regions are
+compiled ahead of time into its `bookkeeping/` and `regions/` (fusion/ahead_of_time.py), which a later process loads
+instead of tracing. A file holds one model's
 artifacts (its config, dtype and tensor-parallel size) for one environment (torch, triton, GPU); the directory keeps
 the newest `MAX_FILES`, and its `triton/` the most recently written kernels within `MAX_TRITON_BYTES`. Several
 processes may save at once (torchrun ranks): each writes a file of its own and renames it into place, so a reader
@@ -24,8 +25,8 @@ from pathlib import Path
 import torch
 
 from ..config import BlockDiffusionConfig
-from ..fusion.mode import digest, environment, keep_newest, write_whole
-from ..generation import precompiled
+from ..fusion import ahead_of_time
+from ..fusion.compiling import digest, environment, keep_newest, write_whole
 from ..patching import free_cache
 from ..weights.tensor_parallel import tensor_parallel_size
 
@@ -45,10 +46,10 @@ def cache_file(model, directory: str | os.PathLike) -> Path:
 
 def load(model, directory: str | os.PathLike) -> bool:
     """Load the artifacts saved for this model and environment into torch's caches, and point Triton's cache and
-    the bookkeeping's artifacts into the directory; False (with a warning where the directory says why) when there
-    are none."""
+    the artifacts compiled ahead of time into the directory; False (with a warning where the directory says why)
+    when there are none."""
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(directory).resolve() / "triton"))
-    precompiled.use_directory(Path(directory) / "bookkeeping")
+    ahead_of_time.use_directory(directory)
     path = cache_file(model, directory)
     try:
         data = path.read_bytes()
