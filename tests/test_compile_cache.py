@@ -119,6 +119,26 @@ def test_the_warmup_command(tmp_path, capsys):
     assert "pass positive batch sizes" in capsys.readouterr().err
 
 
+def test_warmup_decodes_the_config_a_bench_with_its_flags_decodes(tmp_path, monkeypatch):
+    """The bookkeeping's artifacts are kept per decode config: `warmup` saves what `bench --compile-cache` with the
+    same decode flags and --new-tokens loads."""
+    from hf_blockdiff.cli import build_parser
+    from hf_blockdiff.tools import warmup
+    from hf_blockdiff.tools.bench_models import build_model
+    from hf_blockdiff.tools.decode_flags import decode_config
+
+    warmed = []
+    monkeypatch.setattr(warmup.compile_cache, "warmup", lambda model, *args: warmed.append((model, args[-1])))
+    flags = ["--shape", "tiny", "--new-tokens", "8", "--block-size", "8", "--strategy", "entropy_threshold",
+             "--device", "cpu", "--dtype", "float32"]
+    assert main(["warmup", "--cache-dir", str(tmp_path), *flags]) == 0
+    ((_, config),) = warmed
+    bench = decode_config(build_parser().parse_args(["bench", *flags]), build_model("tiny", None, "cpu",
+                                                                                      torch.float32))
+    assert repr(config) == repr(bench)
+    assert (config.block_size, config.strategy, config.max_new_tokens) == (8, "entropy_threshold", 8)
+
+
 def test_triton_caches_into_the_directory_unless_told_otherwise(model, tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     compile_cache.load(model, tmp_path)

@@ -22,22 +22,20 @@ import time
 import torch
 
 from ..cache.keyword import cache_kwarg
-from ..config import ATTENTION_BACKENDS, BlockDiffusionConfig
+from ..config import BlockDiffusionConfig
 from ..config.checks import decoded_block_size
-from ..generation.hf_conventions import as_given
 from ..integrations import compile_cache
 from ..integrations.checkpoint import check_device
 from ..integrations.distributed import group_share, is_main_process, launch_size
 from ..patching import free_cache
 from ..config.profiles import model_profile
-from ..strategies import strategy_names
 from ..weights.shard_layout import local_weight_bytes
 from .bench_models import LLADA2, SHAPES, build_model
+from .decode_flags import add_decode_flags, decode_config
 from .measure import across_groups, make_report, measure, recompile_limits_hit
 from .diffusers_reference import llada2_pipeline
 from .rollout_bench import kv_peak, rollout_runs, with_shared_prefix
 
-COMPILE = {"auto": None, "on": True, "off": False}  # --compile -> BlockDiffusionConfig.compile
 
 
 def _commit_top(x, logits, masked, count, mask_id):
@@ -110,41 +108,11 @@ def diffusers_llada2(model, prompts: torch.Tensor, cfg: BlockDiffusionConfig) ->
     return llada2_pipeline(model, prompts, cfg)[1]
 
 
-def _llada2_settings(args, mask_id: int):
-    """The llada2 / llada2_1 preset under the bench's sizes, and diffusers' pipeline as the reference."""
-    if args.strategy or args.max_active_blocks != 1 or args.temperature:
-        raise ValueError("LLaDA2 models are benchmarked with the llada2 preset against diffusers' LLaDA2Pipeline, "
-                         "which has one rule, greedy: drop --strategy, --max-active-blocks and --temperature.")
-    editing = {} if args.editing_threshold is None else {"editing_threshold": args.editing_threshold}
-    sizes = {key: value for key, value in (("block_size", args.block_size), ("steps_per_block", args.steps_per_block),
-                                           ("threshold", args.threshold)) if value is not None}
-    cfg = BlockDiffusionConfig.from_preset(
-        "llada2_1" if editing else "llada2", mask_token_id=mask_id, max_new_tokens=args.new_tokens, eos_token_id=[],
-        attention_backend=args.attention_backend, compile=COMPILE[args.compile], batch_invariant=args.batch_invariant,
-        **editing, **sizes)
-    return as_given(cfg), diffusers_llada2
-
-
-def _settings(args, model, mask_id: int):
-    """(config of hf_blockdiff, reference decoder returning its forward count) for the model."""
+def _reference(model):
+    """The reference decoder for the model, returning its forward count."""
     if model.config.model_type == LLADA2:
-        return _llada2_settings(args, mask_id)
-    if args.editing_threshold is not None:
-        raise ValueError("--editing-threshold needs a LLaDA2 model (--shape llada2-mini): the reference loops of the "
-                         "other families do not edit.")
-    bidirectional = model_profile(model).attention == "bidirectional"
-    block_size = args.block_size or 4
-    cfg = BlockDiffusionConfig(
-        mask_token_id=mask_id, block_size=block_size, steps_per_block=args.steps_per_block or block_size,
-        max_new_tokens=args.new_tokens, strategy=args.strategy or "low_confidence_static", threshold=args.threshold,
-        temperature=args.temperature,
-        max_active_blocks=args.max_active_blocks, block_add_threshold=args.block_add_threshold,
-        decoded_token_threshold=args.decoded_token_threshold, eos_token_id=[], attention_backend=args.attention_backend,
-        attention="bidirectional" if bidirectional else "block_causal",
-        alignment="prompt_end" if bidirectional else "absolute",
-        compile=COMPILE[args.compile], batch_invariant=args.batch_invariant,
-    )
-    return as_given(cfg), llada_loop if bidirectional else reference_loop
+        return diffusers_llada2
+    return llada_loop if model_profile(model).attention == "bidirectional" else reference_loop
 
 
 def _new_shape_calls(model, cfg: BlockDiffusionConfig, args, vocab: int) -> tuple:
@@ -194,9 +162,8 @@ def bench(args) -> dict:
                         args.expert_parallel)
     build_s = round(time.perf_counter() - started, 1)  # random weights are initialized, checkpoints read, here
     vocab = model.config.get_text_config().vocab_size
-    mask_id = model_profile(model).mask_token_id
-    mask_id = vocab - 1 if mask_id is None else mask_id
-    cfg, reference = _settings(args, model, mask_id)
+    cfg, reference = decode_config(args, model), _reference(model)
+    mask_id = cfg.mask_token_id
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, min(vocab, mask_id) - 1, (args.batch_size, args.prompt_len), generator=generator)
     if tp_size and tp_size < launch_size():  # data parallel over the groups: each decodes its share of the batch
@@ -348,41 +315,13 @@ def add_parser(commands) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="prompts (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per prompt (default: %(default)s)")
-    parser.add_argument("--block-size", type=int, default=None,
-                        help="block size (default: 4; LLaDA2: the preset's 32)")
-    parser.add_argument("--steps-per-block", type=int, default=None,
-                        help="decoding steps per block (default: the block size, one token per step)")
-    parser.add_argument("--max-active-blocks", type=int, default=1,
-                        help="blocks decoded at once; above 1 is multi-block decoding (default: %(default)s)")
-    parser.add_argument("--block-add-threshold", type=float, default=1.0,
-                        help="progress of the last block at which the next one is added (default: %(default)s)")
-    parser.add_argument("--decoded-token-threshold", type=float, default=1.0, help="progress of a block's "
-                        "predecessor at which the block must make progress (default: %(default)s)")
-    parser.add_argument("--strategy", default=None,
-                        help=f"strategy of hf_blockdiff: {', '.join(strategy_names())} (default: "
-                        "low_confidence_static; the reference loop always commits the most confident positions on its "
-                        "schedule; LLaDA2: the llada2 preset's rule, as diffusers)")
-    parser.add_argument("--threshold", type=float, default=None,
-                        help="τ of the threshold strategies (default: the strategy's own)")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="sampling temperature of hf_blockdiff (default: %(default)s, greedy)")
+    add_decode_flags(parser)
     parser.add_argument("--num-return-sequences", type=int, default=1,
                         help="samples per prompt: rollouts sharing their prompt's K/V against the same rows as "
                         "repeated prompts (no reference loop; default: %(default)s)")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens every prompt starts with (a system prompt), read from the prefix store after "
                         "the first call; with --num-return-sequences (default: %(default)s)")
-    parser.add_argument("--editing-threshold", type=float, default=None,
-                        help="LLaDA2 only: decode with the llada2_1 preset (editing) at this threshold, and diffusers "
-                        "with the same (default: editing off, the llada2 preset)")
-    parser.add_argument("--attention-backend", default="auto", help=f"attention kernels: "
-                        f"{', '.join(ATTENTION_BACKENDS)} (default: %(default)s: Triton on CUDA, sdpa on CPU)")
-    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                        help="torch.compile the decoder layers and the step's bookkeeping: auto, on, off (default: "
-                        "%(default)s, the config's compile=None)")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="decode each row independently of its batch (RuntimeOptions.batch_invariant), to "
-                        "measure what that costs (default: off)")
     parser.add_argument("--skip-reference", action="store_true", help="time hf_blockdiff only (default: off)")
     parser.add_argument("--compile-cache", metavar="DIR", help="load torch.compile's artifacts of this model from DIR "
                         "before the first call and save them after (`hf-blockdiff warmup`; default: none)")
