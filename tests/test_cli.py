@@ -232,3 +232,15 @@ def test_devices_of_a_two_gpu_host(monkeypatch):
     for device in ("cuda:7", "mps"):
         with pytest.raises(ValueError, match=rf"'{device}' is not available .*\(available: cpu, cuda:0, cuda:1\)"):
             checkpoint.check_device(device)
+
+
+def test_bench_random_weights_are_the_same_in_every_process_and_leave_the_callers_rng():
+    """Seeded, so tokens of two bench processes (an A/B of two trees) can be compared."""
+    from hf_blockdiff.tools.bench_models import build_model
+
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    first, second = (build_model("tiny", None, "cpu", torch.float32) for _ in range(2))
+    assert torch.equal(torch.rand(3), expected)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))

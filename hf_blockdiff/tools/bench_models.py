@@ -105,10 +105,10 @@ def shape_config(shape: str, layers: int | None = None):
 
 def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dtype, quantization: str = "none",
                 tensor_parallel: int = 0, layers: int | None = None, expert_parallel: bool = False):
-    """A checkpoint, or random weights of `shape` (its first `layers` layers; None: all) built on `device`; quantized
-    weight-only as transformers' quantizers do it (torchao int8/fp8 applied to the built model; bitsandbytes nf4
-    quantizes while loading, so it needs `model_path`); `tensor_parallel`: sharded over groups of that many of the
-    launch's processes, `expert_parallel` its experts by expert."""
+    """A checkpoint, or random weights of `shape` (its first `layers` layers; None: all; seeded, the same in every
+    process) built on `device`; quantized weight-only as transformers' quantizers do it (torchao int8/fp8 applied to
+    the built model; bitsandbytes nf4 quantizes while loading, so it needs `model_path`); `tensor_parallel`: sharded
+    over groups of that many of the launch's processes, `expert_parallel` its experts by expert."""
     from transformers import AutoModelForCausalLM
 
     if tensor_parallel:
@@ -122,7 +122,10 @@ def build_model(shape: str, model_path: str | None, device: str, dtype: torch.dt
     if quantization == "nf4":
         raise ValueError("--quantization nf4: bitsandbytes quantizes while loading a checkpoint: pass --model DIR.")
     config = shape_config(shape, layers)
-    with torch.device(device):
+    target = torch.device(device)
+    cuda = [target.index if target.index is not None else torch.cuda.current_device()] if target.type == "cuda" else []
+    with torch.device(device), torch.random.fork_rng(devices=cuda):  # seeded weights; the caller's RNG untouched
+        torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if quantized is not None:
         from torchao.quantization import quantize_
