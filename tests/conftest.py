@@ -91,13 +91,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _no_ahead_of_time_directory_left():
+def _no_ahead_of_time_state_left():
     """`compile_cache.load` names a directory for the artifacts compiled ahead of time, for the whole process: not
-    past the test that loaded one."""
+    past the test that loaded one, nor the regions' variants and failures (module-level, shared by every model)."""
     yield
-    from hf_blockdiff.fusion import ahead_of_time
+    from hf_blockdiff.fusion import ahead_of_time, regions
 
     ahead_of_time.use_directory(None)
+    for region in regions.AHEAD_OF_TIME:
+        region.variants.clear()
+        region.failed.clear()
 
 
 @pytest.fixture(scope="session")

@@ -76,11 +76,17 @@ def test_a_later_process_loads_the_regions_instead_of_tracing_them(qwen3, tmp_pa
     assert torch.equal(first, uncompiled) and torch.equal(later, uncompiled)
 
 
-def test_another_installed_forward_is_another_artifact(qwen3):
-    """An artifact drops its guards on the forwards set on the layer's modules: its key tells them apart."""
+def test_another_installed_forward_or_hook_is_another_artifact(qwen3):
+    """An artifact drops its guards on the forwards set on the layer's modules and on global hooks: its key tells them
+    apart, and is the same at each forward (each installs new bound methods)."""
     layer = decoder_layers(qwen3)[0]
     keys = [regions.artifact_key(layer)]
-    for skinny in (False, True):  # the gated MLP's stock forward, then its skinny-GEMM one
+    for skinny in (False, True, True):  # the gated MLP's stock forward, then its skinny-GEMM one, twice
         with decoding_mode(qwen3, "compile", skinny=skinny):
             keys.append(regions.artifact_key(layer))
-    assert len(set(keys)) == 3
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        keys.append(regions.artifact_key(layer))
+    finally:
+        handle.remove()
+    assert keys[2] == keys[3] and len(set(keys)) == 4

@@ -91,5 +91,21 @@ def test_a_call_with_no_tensor_work_goes_to_torch_compile_without_a_warning(book
                                eos_token_id=[])
     scheduler = Scheduler(cfg, 2, 32, 4, torch.device("cpu"))
     phase = precompiled.PrecompiledPhase("stored")
-    assert phase.variant(scheduler, scheduler.forward_layout(4).chunks) is None and phase.failed
+    assert phase.variant(scheduler, scheduler.forward_layout(4).chunks) is None and phase.compiled.failed
     assert not [w for w in recwarn if "ahead of time" in str(w.message)]
+
+
+def test_an_artifact_whose_inlined_code_changed_does_not_run():
+    """Guards on globals are dropped: a module whose code an artifact inlined (transformers', ours) must read as when
+    it was traced (an edited or upgraded install otherwise runs the old code)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from hf_blockdiff.scheduler import scheduler as module
+
+    def artifact(content):
+        source = SimpleNamespace(module=module.__name__, content=content)
+        return SimpleNamespace(source_info=lambda: SimpleNamespace(inlined_sources=[source]))
+
+    assert ahead_of_time._same_sources(artifact(inspect.getsource(module)))
+    assert not ahead_of_time._same_sources(artifact(inspect.getsource(module) + "\n# edited\n"))

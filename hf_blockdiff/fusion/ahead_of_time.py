@@ -4,18 +4,23 @@ and the compiled layers' two regions (`fusion/regions.py`). Each is traced whole
 symbols, saved in a folder of the cache, and loaded by a later process in milliseconds, where torch.compile traces
 it again in every process (docs/benchmarks.md, "Eval loops").
 
-An artifact keeps the guards torch can serialize (tensors' dtypes, devices, ranks and size relations, plain values)
-and drops the others (object identities: a strategy's function, a module's class or an installed forward). The
-caller's key, in the file name, carries what those would have checked, and this module adds the library's source and
-the environment (torch, triton, GPU), so another key's code never runs. A call whose inputs fail every variant's
-guards compiles one more. Anything failing here (a trace torch cannot capture whole or serialize) warns once and the
-caller goes back to torch.compile, as it always does on a torch without `aot_compile` (before 2.11); an unreadable or
-damaged file is skipped with a warning (docs/kernels.md, "Kernels and backends")."""
+An artifact keeps the guards torch can serialize (tensors' dtypes, devices, ranks and size relations, plain values,
+classes) and drops the others: object identities (a strategy's function, the forward installed on a module) and every
+guard on a global. The caller's key, in the file name, carries what the dropped identities would have checked; this
+module adds the library's source and the environment (torch, triton, transformers, GPU), and a loaded artifact runs
+only while every module whose code it inlined reads as it did when traced (an edited install). A call whose inputs
+fail every variant's guards compiles one more. Anything failing here (a trace torch cannot capture whole or
+serialize) warns once and the caller goes back to torch.compile, as it always does on a torch without `aot_compile`
+(before 2.11) and inside a trace of its own; an unreadable or damaged file is removed with a warning (docs/kernels.md,
+"Kernels and backends")."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib
 import inspect
+import io
 import threading
 import traceback
 import warnings
@@ -33,6 +38,7 @@ MAX_FILES = 64  # artifacts kept in each folder, newest first (a few hundred KB 
 # the GPU and the CPU and with 2.13 on the CPU (tests/test_precompiled_bookkeeping.py, tests/test_compiled_regions.py)
 AVAILABLE = hasattr(torch._dynamo.config, "enable_aot_compile") and hasattr(torch.compiler, "load_compiled_function")
 _directory: Path | None = None
+_TRACING = threading.Lock()  # one trace at a time in the process: it patches torch's pickler (`_set_forwards_pickled`)
 
 
 def use_directory(path: str | Path | None) -> None:
@@ -62,8 +68,8 @@ def _no_tensor_work(error: Exception) -> bool:
 def _set_forwards_pickled():
     """Torch saves the objects its guards read with an artifact. Forwards set on a module's instance fail its pickling
     (torch 2.11–2.13): a method bound from a function not of the class (ours while decoding), which torch looks up on
-    the instance by name, is saved as the function and the module; a closure (a layer's regions, over a lock), which
-    no guard reads, as a placeholder. For the duration of a trace."""
+    the instance by name, is saved as the function and the module; a closure that no guard reads (a layer's regions,
+    over a lock) as a placeholder. For the duration of a trace."""
     pickler = torch._dynamo.guards.GuardsStatePickler
     reduce = pickler.reducer_override
 
@@ -72,12 +78,22 @@ def _set_forwards_pickled():
                 and vars(obj.__self__).get("forward") is obj:
             return pickler._unpickle_bound_method, (obj.__func__, obj.__self__)
         forward = vars(obj).get("forward") if isinstance(obj, torch.nn.Module) else None
-        if forward is not None and not inspect.ismethod(forward):
+        if forward is not None and not inspect.ismethod(forward) and id(forward) not in self.guard_tree_values:
             self.missing_values[id(forward)] = forward
         return reduce(self, obj)
 
     with mock.patch.object(pickler, "reducer_override", reducer_override):
         yield
+
+
+@functools.cache
+def _module_source(name: str) -> str:
+    return inspect.getsource(importlib.import_module(name))
+
+
+def _same_sources(compiled) -> bool:
+    """Whether every module whose code the artifact inlined (ours, transformers', torch's) reads as when traced."""
+    return all(_module_source(source.module) == source.content for source in compiled.source_info().inlined_sources)
 
 
 class AheadOfTime:
@@ -94,7 +110,7 @@ class AheadOfTime:
     def variant(self, key: str, args: tuple, kwargs: dict):
         """The compiled function for these inputs under the caller's `key`, or None where no directory is named or
         this path failed (the caller then runs torch.compile)."""
-        if _directory is None or key in self.failed or not AVAILABLE:
+        if _directory is None or key in self.failed or not AVAILABLE or torch.compiler.is_compiling():
             return None
         directory = _directory / self.folder
         try:
@@ -123,34 +139,48 @@ class AheadOfTime:
         compiled = self._compile(args, kwargs)
         compiled.disable_guard_check()  # `_variant` checks the guards before each call, once
         known.append(compiled)
-        self._save(compiled, directory / f"{self.name}-{key}-{len(known) - 1}.bin")
+        self._save(compiled, directory, key)
         return compiled
 
     def _compile(self, args: tuple, kwargs: dict):
         """Traced whole, sizes as symbols (floats read as constants: aot_compile does not restart a trace that would
         make them tensors)."""
-        with compile_settings(), torch._dynamo.config.patch(specialize_float=True, enable_aot_compile=True), \
-                _set_forwards_pickled():
+        with _TRACING, compile_settings(), \
+                torch._dynamo.config.patch(specialize_float=True, enable_aot_compile=True), _set_forwards_pickled():
             return torch.compile(self.function, dynamic=True, fullgraph=True).aot_compile((args, kwargs))
+
+    def _loaded(self, data: bytes):
+        """The artifact's function, or None where code it inlined has changed since."""
+        compiled = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=self.f_globals)
+        compiled.disable_guard_check()  # `_variant` checks the guards before each call, once
+        return compiled if _same_sources(compiled) else None
 
     def _load(self, directory: Path, key: str) -> list:
         loaded = []
         for path in sorted(directory.glob(f"{self.name}-{key}-*.bin")):
             try:
-                with path.open("rb") as file:
-                    compiled = torch.compiler.load_compiled_function(file, f_globals=self.f_globals)
-                compiled.disable_guard_check()  # `_variant` checks the guards before each call, once
-                loaded.append(compiled)
+                compiled = self._loaded(path.read_bytes())
             except Exception as error:  # a damaged file is a compile, never a crash
-                warnings.warn(f"compile cache {path}: not loadable ({type(error).__name__}: {error}); skipped.")
+                warnings.warn(f"compile cache {path}: not loadable ({type(error).__name__}: {error}); removed.")
+                compiled = None
+            if compiled is None:
+                path.unlink(missing_ok=True)
+            else:
+                loaded.append(compiled)
         return loaded
 
-    def _save(self, compiled, path: Path) -> None:
+    def _save(self, compiled, directory: Path, key: str) -> None:
+        """Saved under a digest of its bytes, once they load back (a later process would fail on them otherwise)."""
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # not `save_compiled_function`, which writes in place on torch 2.11
-            write_whole(path, type(compiled).serialize(compiled).serialized_data)
-            keep_newest(path.parent, MAX_FILES)
+            data = type(compiled).serialize(compiled).serialized_data  # not `save_compiled_function`: in place on 2.11
+            if self._loaded(data) is None:
+                raise RuntimeError("its inlined sources changed while it was traced")
+            directory.mkdir(parents=True, exist_ok=True)
+            write_whole(directory / f"{self.name}-{key}-{hashlib.sha256(data).hexdigest()[:16]}.bin", data)
+            keep_newest(directory, MAX_FILES)
         except OSError as error:
-            warnings.warn(f"compile cache {path.parent}: not writable ({error}); the next process traces "
+            warnings.warn(f"compile cache {directory}: not writable ({error}); the next process traces "
                           f"{self.name} again.")
+        except Exception as error:  # the variant still runs in this process
+            warnings.warn(f"{self.name} compiled ahead of time does not load back ({type(error).__name__}: "
+                          f"{error}); not saved, the next process traces it again.")

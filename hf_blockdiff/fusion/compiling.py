@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import transformers
 
 
 @contextmanager
@@ -28,7 +29,8 @@ def compile_settings(job: str | None = None):
 
 
 def environment() -> dict:
-    """What compiled artifacts are valid for: torch, triton and the GPU (or the CPU)."""
+    """What compiled artifacts are valid for: torch, triton, transformers (whose layers' code they inline) and the
+    GPU (or the CPU)."""
     try:
         import triton
 
@@ -36,7 +38,8 @@ def environment() -> dict:
     except ImportError:
         triton_version = None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"torch": torch.__version__, "triton": triton_version, "device": device}
+    return {"torch": torch.__version__, "triton": triton_version, "transformers": transformers.__version__,
+            "device": device}
 
 
 def digest(value) -> str:

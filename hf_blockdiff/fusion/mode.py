@@ -132,12 +132,12 @@ def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = F
     for module, forward in projections:
         module.forward = forward
     dynamic = shape_policy(model) if layers else None  # read only when compiling: this runs at every forward
-    one_gpu = not layers or tensor_parallel_size(model) == 1
+    unsharded = not layers or tensor_parallel_size(model) == 1
     fused = {id(module): forward for module, forward in projections}
     for layer in layers:
         attention = fused.get(id(getattr(layer, "self_attn", None)))
         layer.forward = (regions_forward(layer, dynamic, attention.__func__ is rotary_in_cache_attention_forward,
-                                         one_gpu)
+                                         unsharded)
                          if in_regions(layer, attention is not None, invariant) else
                          compiled_forward(type(layer), dynamic).__get__(layer))
     try:

@@ -13,9 +13,9 @@ layer did. Other layers compile whole (`mode.compiled_forward`).
 
 Where the user names a compile cache, the regions of a one-GPU model are compiled ahead of time into its `regions/`
 (`fusion/ahead_of_time.py`), traced whole with rows and tokens as symbols, and a later process loads them instead of
-tracing them (docs/benchmarks.md, "Eval loops"). An artifact's key is what its dropped guards would have checked:
-each module's class and hooks and the forward installed on it (the fused forwards, the experts op). A region that
-cannot be traced whole there (stock experts) warns once and compiles in each process.
+tracing them (docs/benchmarks.md, "Eval loops"). An artifact's key names what its dropped guards would have checked:
+the forward installed on each of the layer's modules (the fused forwards, the experts op) and the hooks that run. A
+region that cannot be traced whole there (stock experts) warns once and compiles in each process.
 """
 
 from __future__ import annotations
@@ -47,16 +47,22 @@ def compiled_regions(dynamic: bool | None):
 
 
 def _name(function) -> str | None:
-    function = getattr(function, "__func__", function)
-    return None if function is None else f"{function.__module__}.{getattr(function, '__qualname__', function)}"
+    """A function's (a bound method's, a partial's) or a callable object's class's qualified name: the same in every
+    process."""
+    if function is None:
+        return None
+    function = getattr(getattr(function, "__func__", function), "func", function)
+    named = function if hasattr(function, "__qualname__") else type(function)
+    return f"{named.__module__}.{named.__qualname__}"
 
 
 def artifact_key(layer: torch.nn.Module) -> str:
-    """What an artifact of the layer's regions was traced for beyond its guards: each module's class, the forward set
-    on it while decoding, and its hooks."""
+    """What an artifact of the layer's regions drops and was traced for: the forward set on each of its modules while
+    decoding (stock or skinny MLP, the experts op), their hooks and the process's global module hooks, by name."""
+    hooks = (torch.nn.modules.module._global_forward_pre_hooks, torch.nn.modules.module._global_forward_hooks)
     return repr(tuple((_name(type(m)), _name(vars(m).get("forward")),
                        tuple(map(_name, [*m._forward_pre_hooks.values(), *m._forward_hooks.values()])))
-                      for m in layer.modules()))
+                      for m in layer.modules()) + tuple(_name(hook) for table in hooks for hook in table.values()))
 
 
 AHEAD_OF_TIME = [AheadOfTime(region.__name__, region, "regions", globals()) for region in (before_attention,

@@ -21,7 +21,6 @@ class PrecompiledPhase:
     """One scheduler call (`Scheduler.<name>`) through `aot_compile`, keyed by what its scheduler's config gives."""
 
     def __init__(self, name: str):
-        self.name = name
         self.compiled = AheadOfTime(name, getattr(Scheduler, name), "bookkeeping",
                                     vars(sys.modules[Scheduler.__module__]))
         self.keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> its config's digest
@@ -35,7 +34,3 @@ class PrecompiledPhase:
         if static is None:
             static = self.keys[scheduler] = digest([repr(scheduler.cfg), type(scheduler.policy).__name__])
         return f"{static}-{int(scheduler.per_row_sampling)}"
-
-    @property
-    def failed(self) -> bool:
-        return bool(self.compiled.failed)
