@@ -26,8 +26,8 @@ import traceback
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from unittest import mock
 from typing import Callable
+from unittest import mock
 
 import torch
 
