@@ -51,7 +51,8 @@ def _name(function) -> str | None:
     process."""
     if function is None:
         return None
-    function = getattr(getattr(function, "__func__", function), "func", function)
+    function = getattr(function, "__func__", function)
+    function = function.func if isinstance(function, functools.partial) else function
     named = function if hasattr(function, "__qualname__") else type(function)
     return f"{named.__module__}.{named.__qualname__}"
 
