@@ -2,6 +2,7 @@
 and logprobs of the offline call of its one prompt, on the invariant kernels (CPU: Triton's interpreter with the
 triton backend; GPU: bf16, the proof); what the mode cannot cover is refused before any forward."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,6 +27,25 @@ ROWS = [(3, dict(max_new_tokens=8)), (14, dict(max_new_tokens=12, threshold=0.8)
         (9, dict(max_new_tokens=12, threshold=0.4)), (11, dict(max_new_tokens=12))]
 
 
+@pytest.fixture
+def dot_of_a_row_alone(monkeypatch):
+    """Triton's interpreter multiplies a `tl.dot` by numpy's matmul, i.e. BLAS, and OpenBLAS's kernels for AVX2 CPUs
+    (Haswell, an AMD EPYC here) give a row other bits in a matrix of other rows: `(a[:32] @ b)[:16]` differs from
+    `a[:16] @ b` in the last bits. A GPU's MMA sums each output over K in one order whatever its tile holds, which the
+    bf16 GPU test below proves; on the CPU the interpreter's dot is made to do the same (einsum: no BLAS, each output
+    summed over K in order), so what the CPU test sees is the engine's, not the BLAS build's."""
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8 operands: the interpreter's own
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.einsum("...mk,...kn->...mn", a.data, b.data, dtype=d.data.dtype)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    dot = interpreter.InterpreterBuilder.create_dot
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
 def served_and_offline(model, cfg, device, slots, rows=ROWS):
     """Each row's (tokens, logprobs) served by a live engine of `slots` slots beside the others, and from the offline
     call of its prompt alone."""
@@ -48,7 +68,7 @@ def served_and_offline(model, cfg, device, slots, rows=ROWS):
     return [(collector.tokens, collector.logprobs) for collector in served], offline
 
 
-def test_served_rows_equal_their_offline_calls(monkeypatch):
+def test_served_rows_equal_their_offline_calls(monkeypatch, dot_of_a_row_alone):
     """fp32 on the CPU under TRITON_INTERPRET=1, three rows on two slots, on the path a GPU takes: every projection and
     the LM head on the invariant launch, attention in one split. The CPU's rows are invariant without it too
     (docs/architecture.md, "Serving"): the bits are proven by the GPU test below and, for the GEMM, by
