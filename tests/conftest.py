@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter; set before any kernel is defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers import tiny_model  # noqa: E402
+from helpers import forget_compiled_regions, tiny_model  # noqa: E402
 
 
 def _run_test(test, kwargs):
@@ -95,12 +95,10 @@ def _no_ahead_of_time_state_left():
     """`compile_cache.load` names a directory for the artifacts compiled ahead of time, for the whole process: not
     past the test that loaded one, nor the regions' variants and failures (module-level, shared by every model)."""
     yield
-    from hf_blockdiff.fusion import ahead_of_time, regions
+    from hf_blockdiff.fusion import ahead_of_time
 
     ahead_of_time.use_directory(None)
-    for region in regions.AHEAD_OF_TIME:
-        region.variants.clear()
-        region.failed.clear()
+    forget_compiled_regions()
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,16 @@ def tiny_model(family: str = "qwen3", seed: int = 0, **config):
     return model_class(config_class(**defaults)).eval()
 
 
+def forget_compiled_regions():
+    """What a new process holds of the compiled layers' regions (`fusion/regions.py`, module-level and shared by every
+    model): no variant loaded or traced, no failure; a compile cache's directory stays."""
+    from hf_blockdiff.fusion import regions
+
+    for region in regions.AHEAD_OF_TIME:
+        region.variants.clear()
+        region.failed.clear()
+
+
 def random_prompts(lengths, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, MASK - 4, (n,), generator=generator) for n in lengths]

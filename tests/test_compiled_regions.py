@@ -11,7 +11,7 @@ from hf_blockdiff import BlockDiffusionConfig, free_cache
 from hf_blockdiff.fusion import ahead_of_time, regions
 from hf_blockdiff.fusion.mode import decoder_layers, decoding_mode
 
-from helpers import MASK, left_pad, random_prompts
+from helpers import MASK, forget_compiled_regions, left_pad, random_prompts
 
 CFG = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=4, threshold=0.6, eos_token_id=[],
                            attention="block_causal", attention_backend="triton")
@@ -27,9 +27,7 @@ def _decode(model, compile_):
 def _new_process():
     """What a new process has: nothing compiled in memory (a compile cache's directory stays)."""
     torch._dynamo.reset()
-    for region in regions.AHEAD_OF_TIME:
-        region.variants.clear()
-        region.failed.clear()
+    forget_compiled_regions()
 
 
 def _traced_regions(dynamic):

@@ -9,13 +9,13 @@ import torch
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
 from hf_blockdiff.generation import engine as engine_module
-from hf_blockdiff.fusion import ahead_of_time, regions
+from hf_blockdiff.fusion import ahead_of_time
 from hf_blockdiff.generation.step import PHASES, DecodeStep, compiled_phase
 from hf_blockdiff.tools.bench import build_model
 from hf_blockdiff.kernels import flash
 from reference_loops import staircase
 
-from helpers import MASK, Collector, left_pad, random_prompts, tiny_model
+from helpers import MASK, Collector, forget_compiled_regions, left_pad, random_prompts, tiny_model
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -114,8 +114,7 @@ def test_bookkeeping_and_regions_loaded_ahead_of_time_decode_as_eager(tmp_path, 
             "before_attention", "after_attention"}
         compiled_phase.cache_clear()  # a later process: nothing compiled in memory
         torch._dynamo.reset()
-        for region in regions.AHEAD_OF_TIME:
-            region.variants.clear()
+        forget_compiled_regions()
         traced, trace = [], ahead_of_time.AheadOfTime._compile
         monkeypatch.setattr(ahead_of_time.AheadOfTime, "_compile",
                             lambda self, args, kwargs: traced.append(self.name) or trace(self, args, kwargs))
