@@ -21,6 +21,8 @@ from .compile_ahead import launch
 from .dependent_launch import dependent_launch, launch_options
 from .rmsnorm import rms_norm_reference
 
+INTERPRETED_TOKENS = 64  # tokens a program under TRITON_INTERPRET, whose cost is per program and op
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -69,10 +71,11 @@ def rotary_write(query, key, value, cos, sin, key_pages, value_pages, slots, q_w
     q_groups = triton.cdiv(q_heads, heads)
     normed = q_weight is not None
     overlap = dependent_launch(query.device)
-    launch(_rotary_write_kernel, (tokens, q_groups + triton.cdiv(kv_heads, heads)),
+    block = 1 if query.is_cuda else min(INTERPRETED_TOKENS, triton.next_power_of_2(tokens))
+    launch(_rotary_write_kernel, (triton.cdiv(tokens, block), q_groups + triton.cdiv(kv_heads, heads)),
         query, key, value, cos, sin, q_weight if normed else cos, k_weight if normed else cos, out, key_pages,
-        value_pages, slots, query.stride(0), key.stride(0), value.stride(0), q_heads, kv_heads, q_groups, eps,
-        DIM=dim, HALF=triton.next_power_of_2(dim // 2), HEADS=heads, NORMED=normed, GDC=overlap,
+        value_pages, slots, tokens, query.stride(0), key.stride(0), value.stride(0), q_heads, kv_heads, q_groups, eps,
+        DIM=dim, HALF=triton.next_power_of_2(dim // 2), HEADS=heads, NORMED=normed, TOKENS=block, GDC=overlap,
         num_warps=4, **launch_options(overlap),
     )
     return out
@@ -87,48 +90,79 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _normed_rotated(x_ptr, w_ptr, cos_ptr, sin_ptr, heads, cols, inside, eps, DIM: tl.constexpr,
-                        NORMED: tl.constexpr, DTYPE: tl.constexpr):
-        """[HEADS, HALF] low and high halves of the heads at x_ptr, normed and rotated (float32, rounded)."""
+                        NORMED: tl.constexpr, DTYPE: tl.constexpr, TOKENS: tl.constexpr):
+        """[HEADS, HALF] (or [TOKENS, HEADS, HALF], where x_ptr, cos_ptr and sin_ptr are [TOKENS, 1, 1]) low and high
+        halves of the heads at x_ptr, normed and rotated (float32, rounded)."""
         half = DIM // 2
         lo = tl.load(x_ptr + heads[:, None] * DIM + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         hi = tl.load(x_ptr + heads[:, None] * DIM + half + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         if NORMED:
-            inv = 1.0 / tl.sqrt_rn((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / DIM + eps)
+            inv = 1.0 / tl.sqrt_rn((tl.sum(lo * lo, axis=-1) + tl.sum(hi * hi, axis=-1)) / DIM + eps)
             w_lo = tl.load(w_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
             w_hi = tl.load(w_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)
-            lo = round_to(w_lo[None, :] * round_to(lo * inv[:, None], DTYPE), DTYPE)
-            hi = round_to(w_hi[None, :] * round_to(hi * inv[:, None], DTYPE), DTYPE)
-        cos_lo = tl.load(cos_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
-        cos_hi = tl.load(cos_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
-        sin_lo = tl.load(sin_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
-        sin_hi = tl.load(sin_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+            lo = round_to(w_lo[None, :] * round_to(lo * tl.expand_dims(inv, -1), DTYPE), DTYPE)
+            hi = round_to(w_hi[None, :] * round_to(hi * tl.expand_dims(inv, -1), DTYPE), DTYPE)
+        cos_lo = _row(cos_ptr, cols, half, TOKENS)
+        cos_hi = _row(cos_ptr + half, cols, half, TOKENS)
+        sin_lo = _row(sin_ptr, cols, half, TOKENS)
+        sin_hi = _row(sin_ptr + half, cols, half, TOKENS)
         out_lo = round_to(round_to(lo * cos_lo, DTYPE) - round_to(hi * sin_lo, DTYPE), DTYPE)
         out_hi = round_to(round_to(hi * cos_hi, DTYPE) + round_to(lo * sin_hi, DTYPE), DTYPE)
         return out_lo, out_hi
 
     @triton.jit
-    def _rotary_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, out_ptr, kpool_ptr, vpool_ptr,
-                             slots_ptr, q_stride, k_stride, v_stride, q_heads, kv_heads, q_groups, eps,
-                             DIM: tl.constexpr, HALF: tl.constexpr, HEADS: tl.constexpr, NORMED: tl.constexpr,
-                             GDC: tl.constexpr):
-        """Program (t, g): head group g of token t, a group of query heads (g < q_groups) or of key/value heads."""
-        follow_previous(GDC)
+    def _row(ptr, cols, half, TOKENS: tl.constexpr):
+        """The `half` values at ptr, float32: [1, HALF], or [TOKENS, 1, HALF] from ptr [TOKENS, 1, 1]."""
+        if TOKENS == 1:
+            row = tl.load(ptr + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+        else:
+            row = tl.load(ptr + cols[None, None, :], mask=cols[None, None, :] < half, other=0.0).to(tl.float32)
+        return row
+
+    @triton.jit
+    def _inside(heads, count, cols, real, DIM: tl.constexpr, TOKENS: tl.constexpr):
+        """Which of the tile's elements are real: heads below `count`, columns below DIM / 2 (and tokens in range)."""
+        inside = (heads[:, None] < count) & (cols[None, :] < DIM // 2)
+        if TOKENS > 1:
+            inside = inside & real
+        return inside
+
+    @triton.jit
+    def _program_tokens(tokens, TOKENS: tl.constexpr):
+        """The program's token: a scalar on GPUs (one token a program), else a [TOKENS, 1, 1] block of them, each
+        clamped into range (the stores' masks leave out the block's tail) and whether it is in range."""
         token = tl.program_id(0).to(tl.int64)
+        real = token < tokens  # unused with one token a program (the grid has no more programs than tokens)
+        if TOKENS > 1:
+            token = token * TOKENS + tl.arange(0, TOKENS)[:, None, None]
+            real = token < tokens
+            token = tl.minimum(token, tokens - 1)
+        return token, real
+
+    @triton.jit(do_not_specialize=["tokens"])
+    def _rotary_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, out_ptr, kpool_ptr, vpool_ptr,
+                             slots_ptr, tokens, q_stride, k_stride, v_stride, q_heads, kv_heads, q_groups, eps,
+                             DIM: tl.constexpr, HALF: tl.constexpr, HEADS: tl.constexpr, NORMED: tl.constexpr,
+                             TOKENS: tl.constexpr, GDC: tl.constexpr):
+        """Program (t, g): head group g of token t (of tokens t·TOKENS onwards), a group of query heads
+        (g < q_groups) or of key/value heads."""
+        follow_previous(GDC)
+        token, real = _program_tokens(tokens, TOKENS)
         group = tl.program_id(1)
         cols = tl.arange(0, HALF)
         cos_ptr += token * DIM
         sin_ptr += token * DIM
         if group < q_groups:
             heads = group * HEADS + tl.arange(0, HEADS)
-            inside = (heads[:, None] < q_heads) & (cols[None, :] < DIM // 2)
+            inside = _inside(heads, q_heads, cols, real, DIM, TOKENS)
             lo, hi = _normed_rotated(q_ptr + token * q_stride, qw_ptr, cos_ptr, sin_ptr, heads, cols, inside, eps,
-                                     DIM, NORMED, out_ptr.dtype.element_ty)
+                                     DIM, NORMED, out_ptr.dtype.element_ty, TOKENS)
             target = out_ptr + token * q_heads * DIM
         else:
             heads = (group - q_groups) * HEADS + tl.arange(0, HEADS)
-            inside = (heads[:, None] < kv_heads) & (cols[None, :] < DIM // 2)
+            inside = _inside(heads, kv_heads, cols, real, DIM, TOKENS)
             lo, hi = _normed_rotated(k_ptr + token * k_stride, kw_ptr, cos_ptr, sin_ptr, heads, cols, inside, eps,
-                                     DIM, NORMED, out_ptr.dtype.element_ty)
+                                     DIM, NORMED, out_ptr.dtype.element_ty, TOKENS)
             slot = tl.load(slots_ptr + token).to(tl.int64) * kv_heads * DIM
             offsets = heads[:, None] * DIM + cols[None, :]
             for half in tl.static_range(2):

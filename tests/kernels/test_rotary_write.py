@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from hf_blockdiff.kernels import rotary_write as rotary_write_module
 from hf_blockdiff.kernels.rotary_write import rotary_write, rotary_write_reference
 
 pytest.importorskip("triton")
@@ -38,6 +39,21 @@ def test_rotary_write_matches_fp64(device, poisoned, dtype, normed, heads, asser
     written = torch.zeros(pools[0].numel() // (heads[1] * heads[2]), dtype=torch.bool, device=device)
     written[slots] = True
     assert (pools[0].view(len(written), -1)[~written] == 0).all()  # nothing outside the slots
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPUs run one token a program; blocks are the interpreter's")
+@pytest.mark.parametrize("normed", [False, True])
+def test_interpreted_token_blocks_equal_one_token_a_program(monkeypatch, normed):
+    """Under TRITON_INTERPRET a program takes a block of tokens (two of 16 and a tail of 5 here): the queries and
+    both pools bit for bit as with one token a program, the code GPUs run."""
+    (q, k, v), cos, sin, weights, slots, _ = _inputs("cpu", torch.bfloat16, 37, 12, 3, 48, normed, seed=5, pages=12)
+    results = []
+    for block in (16, 1):
+        monkeypatch.setattr(rotary_write_module, "INTERPRETED_TOKENS", block)
+        pools = [torch.zeros(12, 4, 3, 48, dtype=torch.bfloat16) for _ in range(2)]
+        results.append([rotary_write(q, k, v, cos, sin, *pools, slots, *weights, eps=1e-6), *pools])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert results[0][1].view(-1, 3, 48)[slots].abs().sum(-1).gt(0).all()  # every token's keys written
 
 
 @pytest.mark.parametrize("normed", [False, True])
