@@ -146,3 +146,15 @@ def test_triton_caches_into_the_directory_unless_told_otherwise(model, tmp_path,
     monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
     compile_cache.load(model, tmp_path)
     assert os.environ["TRITON_CACHE_DIR"] == "/elsewhere"
+
+
+def test_triton_assembles_with_the_ptxas_of_inductors_workers(model, tmp_path, monkeypatch):
+    """A kernel a warmup compiled in inductor's workers (torch's ptxas) is found by a later process that compiles it
+    in its main process: `load` gives the process the workers' ptxas, through torch's own helper."""
+    tasks = pytest.importorskip("torch._inductor.runtime.compile_tasks")
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "unset below, restored after the test")
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    monkeypatch.setattr(tasks, "_set_triton_ptxas_path", lambda: os.environ.setdefault("TRITON_PTXAS_PATH", "torch's"),
+                        raising=hasattr(tasks, "_set_triton_ptxas_path"))
+    compile_cache.load(model, tmp_path)
+    assert os.environ["TRITON_PTXAS_PATH"] == "torch's"

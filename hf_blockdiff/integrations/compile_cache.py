@@ -49,6 +49,7 @@ def load(model, directory: str | os.PathLike) -> bool:
     the artifacts compiled ahead of time into the directory; False (with a warning where the directory says why)
     when there are none."""
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(directory).resolve() / "triton"))
+    _ptxas_of_inductors_workers()
     ahead_of_time.use_directory(directory)
     path = cache_file(model, directory)
     try:
@@ -68,6 +69,20 @@ def load(model, directory: str | os.PathLike) -> bool:
                       "first call compiles.")
         return False
     return True
+
+
+def _ptxas_of_inductors_workers() -> None:
+    """Triton keys a binary by the ptxas that assembled it. Inductor's compile workers assemble with torch's own
+    (torch 2.11+cu130: CUDA 13.0's), while a kernel it compiles in the main process, as when a loaded artifact's
+    kernel first runs, took Triton's bundled one (CUDA 12.8): two of the bookkeeping's kernels a warmup compiled in
+    its workers missed in the next process, which compiled them again (1.0 s; docs/benchmarks.md, "Eval loops").
+    The whole process takes the workers' ptxas, as they do (torch's private helper; a TRITON_PTXAS_PATH the user set
+    wins, and a torch without the helper or its ptxas changes nothing)."""
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:
+        return
+    _set_triton_ptxas_path()
 
 
 def _warn_other_environments(model, directory: Path) -> None:
