@@ -16,7 +16,7 @@ Shapes: query [T, Hq, D], key and value [T, Hkv, D] (heads and dims contiguous),
 
 import torch
 
-from . import TRITON_AVAILABLE, require_triton
+from . import INTERPRETED, TRITON_AVAILABLE, require_triton
 from .compile_ahead import launch
 from .dependent_launch import dependent_launch, launch_options
 from .rmsnorm import rms_norm_reference
@@ -71,7 +71,7 @@ def rotary_write(query, key, value, cos, sin, key_pages, value_pages, slots, q_w
     q_groups = triton.cdiv(q_heads, heads)
     normed = q_weight is not None
     overlap = dependent_launch(query.device)
-    block = 1 if query.is_cuda else min(INTERPRETED_TOKENS, triton.next_power_of_2(tokens))
+    block = min(INTERPRETED_TOKENS, triton.next_power_of_2(tokens)) if INTERPRETED else 1
     launch(_rotary_write_kernel, (triton.cdiv(tokens, block), q_groups + triton.cdiv(kv_heads, heads)),
         query, key, value, cos, sin, q_weight if normed else cos, k_weight if normed else cos, out, key_pages,
         value_pages, slots, tokens, query.stride(0), key.stride(0), value.stride(0), q_heads, kv_heads, q_groups, eps,
@@ -129,8 +129,9 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _program_tokens(tokens, TOKENS: tl.constexpr):
-        """The program's token: a scalar on GPUs (one token a program), else a [TOKENS, 1, 1] block of them, each
-        clamped into range (the stores' masks leave out the block's tail) and whether it is in range."""
+        """The program's token: a scalar (one token a program, as compiled for GPUs), or under the interpreter a
+        [TOKENS, 1, 1] block of them, each clamped into range (the stores' masks leave out the block's tail), and
+        whether it is in range."""
         token = tl.program_id(0).to(tl.int64)
         real = token < tokens  # unused with one token a program (the grid has no more programs than tokens)
         if TOKENS > 1:
