@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Trainer, TrainingArguments, default_data_collator
+from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 import hf_blockdiff
 from hf_blockdiff import BlockDiffusionConfig
@@ -103,16 +103,30 @@ def test_the_example_trains_and_logs_the_metric(tmp_path):
     assert "step   3: accuracy" in run.stdout
 
 
-def test_a_compile_cache_is_loaded_at_train_begin_and_saved_after_the_first_generation(tmp_path, monkeypatch):
-    from hf_blockdiff.integrations import compile_cache
+def test_a_compile_cache_is_loaded_and_warmed_at_train_begin(tmp_path, monkeypatch):
+    """Train begin loads the cache, decodes the first batch of prompts, saves what it compiled and frees the engine
+    before the first training step; the evaluations decode all prompts and save nothing again."""
+    from hf_blockdiff.integrations import callbacks, compile_cache
 
     events = []
+    model = tiny_model("qwen3")
+    generate = callbacks.generate_distributed
+
+    def generating(model, prompts, *args, **kwargs):
+        events.append(("generate", len(prompts), getattr(model, "_blockdiff_engine", None) is None))
+        return generate(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(callbacks, "generate_distributed", generating)
     monkeypatch.setattr(compile_cache, "load", lambda model, directory: events.append(("load", directory)))
     monkeypatch.setattr(compile_cache, "save", lambda model, directory: events.append(("save", directory)))
-    model = tiny_model("qwen3")
     trainer = make_trainer(model, tmp_path, max_steps=1, eval_strategy="steps", eval_steps=1)
     cache = str(tmp_path / "cache")
-    trainer.add_callback(hf_blockdiff.BlockDiffusionEvalCallback(PROMPTS[:2], config=CFG, compile_cache=cache))
+    trainer.add_callback(hf_blockdiff.BlockDiffusionEvalCallback(PROMPTS, config=CFG, compile_cache=cache,
+                                                                 batch_size=2))
+    trainer.add_callback(type("Step", (TrainerCallback,), {"on_step_begin": lambda *a, **k: events.append(
+        ("step", getattr(model, "_blockdiff_engine", None) is None))})())
     trainer.train()
     trainer.evaluate()
-    assert events == [("load", cache), ("save", cache)]  # the second evaluation saves nothing again
+    # a batch of 2 at train begin, saved, freed before the step; each evaluation decodes the 4 prompts
+    assert events == [("load", cache), ("generate", 2, True), ("save", cache), ("step", True), ("generate", 4, True),
+                      ("generate", 4, False)]

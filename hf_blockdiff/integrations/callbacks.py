@@ -9,6 +9,7 @@ from typing import Callable
 from transformers import TrainerCallback
 
 from ..config import BlockDiffusionConfig
+from ..patching import free_cache
 from . import compile_cache as compile_caches
 from .distributed import generate_distributed
 
@@ -38,8 +39,9 @@ class BlockDiffusionEvalCallback(TrainerCallback):
     step of a prompt, as `BlockDiffusionOutput.tokens_per_forward`, whatever the batch size) and tok_s.
     every_n_evals: generate at the first evaluation and every n-th after it.
     compile_cache: a directory of torch.compile artifacts (`hf-blockdiff warmup`, integrations/compile_cache.py):
-    loaded when training begins, so the first evaluation's generation reads what an earlier run compiled, and saved
-    after that generation, for the next run.
+    loaded when training begins, then warmed there: a first batch of prompts per process is decoded (reading what an
+    earlier run compiled, compiling the rest), what it compiled is saved for the next run, and its memory is freed
+    before the first training step. The first evaluation then compiles nothing, and its tok_s times decoding alone.
 
     The metrics join the dict `Trainer.evaluate` returns (so `metric_for_best_model="eval_blockdiff_accuracy"` works)
     and `trainer.state.log_history`. Pass `trainer=` to log them through `trainer.log`, which also reaches the
@@ -58,25 +60,23 @@ class BlockDiffusionEvalCallback(TrainerCallback):
         self.scorer = scorer if scorer is not None else (exact_match if references is not None else None)
         self.every_n_evals, self.tokenizer, self.batch_size, self.chat = every_n_evals, tokenizer, batch_size, chat
         self.trainer, self.compile_cache = trainer, compile_cache
-        self.evaluations = 0
+        self.evaluations = self.generations = 0
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.compile_cache is not None and model is not None:
-            compile_caches.load(model, self.compile_cache)
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        """With a compile cache: load it and warm (the class docstring); the engine is freed, so the KV pool of the
+        first evaluation is sized by the memory left once the optimizer's state exists."""
+        if self.compile_cache is None or model is None:
+            return
+        compile_caches.load(model, self.compile_cache)
+        first_batches = self.prompts[: self.batch_size * args.world_size]  # one batch a process
+        self._generate(model, first_batches, processing_class, state)
+        free_cache(model)
 
     def on_evaluate(self, args, state, control, model=None, metrics=None, processing_class=None, **kwargs):
         self.evaluations += 1
         if (self.evaluations - 1) % self.every_n_evals:
             return
-        modes = {module: module.training for module in model.modules()}
-        try:
-            results = generate_distributed(model, self.prompts, self.config, self.tokenizer or processing_class,
-                                           batch_size=self.batch_size, chat=self.chat)
-        finally:
-            for module, training in modes.items():
-                module.training = training
-        if self.compile_cache is not None and self.evaluations == 1 and state.is_world_process_zero:
-            compile_caches.save(model, self.compile_cache)
+        results = self._generate(model, self.prompts, processing_class, state)
         logs = {
             "num_forwards": results.num_forwards,
             "tokens_per_forward": results.tokens_per_forward,
@@ -93,6 +93,21 @@ class BlockDiffusionEvalCallback(TrainerCallback):
             if state.epoch is not None:
                 entry["epoch"] = state.epoch
             state.log_history.append(entry)
+
+    def _generate(self, model, prompts: list, processing_class, state):
+        """`generate_distributed` with the modules' train/eval flags restored after; the first generation of the run
+        saves the compile cache (one process writes it)."""
+        modes = {module: module.training for module in model.modules()}
+        try:
+            results = generate_distributed(model, prompts, self.config, self.tokenizer or processing_class,
+                                           batch_size=self.batch_size, chat=self.chat)
+        finally:
+            for module, training in modes.items():
+                module.training = training
+        self.generations += 1
+        if self.compile_cache is not None and self.generations == 1 and state.is_world_process_zero:
+            compile_caches.save(model, self.compile_cache)
+        return results
 
     def _scores(self, completions: list) -> dict[str, float]:
         if self.scorer is None:
