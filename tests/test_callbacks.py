@@ -104,29 +104,40 @@ def test_the_example_trains_and_logs_the_metric(tmp_path):
 
 
 def test_a_compile_cache_is_loaded_and_warmed_at_train_begin(tmp_path, monkeypatch):
-    """Train begin loads the cache, decodes the first batch of prompts, saves what it compiled and frees the engine
-    before the first training step; the evaluations decode all prompts and save nothing again."""
+    """Train begin loads the cache, decodes the first batch of prompts (compiling the bookkeeping, forced compiled as
+    on CUDA), saves and frees the engine before the first training step; the evaluations decode all prompts in two
+    batches, compile nothing and save nothing again."""
+    from torch._dynamo.utils import counters
+
+    from hf_blockdiff.generation import engine as engine_module
+    from hf_blockdiff.generation.step import DecodeStep
     from hf_blockdiff.integrations import callbacks, compile_cache
 
     events = []
     model = tiny_model("qwen3")
     generate = callbacks.generate_distributed
+    torch._dynamo.reset()  # what earlier tests compiled: the warm-up compiles here
+    monkeypatch.setattr(engine_module, "DecodeStep", lambda scheduler, executor, _: DecodeStep(scheduler, executor,
+                                                                                               True))
 
     def generating(model, prompts, *args, **kwargs):
-        events.append(("generate", len(prompts), getattr(model, "_blockdiff_engine", None) is None))
-        return generate(model, prompts, *args, **kwargs)
+        fresh, before = getattr(model, "_blockdiff_engine", None) is None, counters["frames"]["ok"]
+        out = generate(model, prompts, *args, **kwargs)
+        events.append(("generate", len(prompts), fresh, counters["frames"]["ok"] > before))
+        return out
 
     monkeypatch.setattr(callbacks, "generate_distributed", generating)
     monkeypatch.setattr(compile_cache, "load", lambda model, directory: events.append(("load", directory)))
     monkeypatch.setattr(compile_cache, "save", lambda model, directory: events.append(("save", directory)))
     trainer = make_trainer(model, tmp_path, max_steps=1, eval_strategy="steps", eval_steps=1)
     cache = str(tmp_path / "cache")
-    trainer.add_callback(hf_blockdiff.BlockDiffusionEvalCallback(PROMPTS, config=CFG, compile_cache=cache,
+    config = CFG.replace(cuda_graphs=True)  # the fixed-shape steps CUDA runs
+    trainer.add_callback(hf_blockdiff.BlockDiffusionEvalCallback(PROMPTS, config=config, compile_cache=cache,
                                                                  batch_size=2))
     trainer.add_callback(type("Step", (TrainerCallback,), {"on_step_begin": lambda *a, **k: events.append(
         ("step", getattr(model, "_blockdiff_engine", None) is None))})())
     trainer.train()
     trainer.evaluate()
-    # a batch of 2 at train begin, saved, freed before the step; each evaluation decodes the 4 prompts
-    assert events == [("load", cache), ("generate", 2, True), ("save", cache), ("step", True), ("generate", 4, True),
-                      ("generate", 4, False)]
+    # a batch of 2 at train begin (compiling), saved, freed before the step; each evaluation decodes the 4 prompts
+    assert events == [("load", cache), ("generate", 2, True, True), ("save", cache), ("step", True),
+                      ("generate", 4, True, False), ("generate", 4, False, False)]
