@@ -8,6 +8,8 @@ import os
 import sys
 
 from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.weights import tensor_parallel
+from hf_blockdiff.weights.tensor_parallel import layer_stacks
 from hf_blockdiff.generation.engine import kv_bytes_per_token
 from hf_blockdiff.integrations.checkpoint import load_pretrained
 from hf_blockdiff.integrations.distributed import generate_distributed
@@ -17,10 +19,11 @@ PROMPTS = ["hello", "x = 1", "abc def", "Once upon a time", "0123456789"]
 
 
 def sharding(model) -> tuple:
-    """The model's parameters (objects and types: DTensors while sharded) and the modules with a forward of their own
-    (transformers' tensor-parallel forwards)."""
+    """The model's parameters (objects and types: DTensors while sharded), the modules with a forward of their own
+    (transformers' tensor-parallel forwards) and the hooks before each stack of layers."""
     return ([(name, id(p), type(p).__name__) for name, p in model.named_parameters()],
-            [(name, id(vars(m)["forward"])) for name, m in model.named_modules() if "forward" in vars(m)])
+            [(name, id(vars(m)["forward"])) for name, m in model.named_modules() if "forward" in vars(m)],
+            [list(stack._forward_pre_hooks) for stack, _ in layer_stacks(model)])
 
 
 def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, device: str, compiled: str = "") -> None:
@@ -30,7 +33,13 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
         compile=True, cuda_graphs=True), tokenizer, batch_size=2)] if compiled else None  # graphs' fixed shapes, eager
     rows, decode = [], model.generate_multi_block
     model.generate_multi_block = lambda ids, *args, **kwargs: rows.append(len(ids)) or decode(ids, *args, **kwargs)
+    fences, forwards, fence = [], [], tensor_parallel.fence
+    tensor_parallel.fence = lambda: fences.append(1) or fence()
+    counting = [stack.register_forward_pre_hook(lambda *_: forwards.append(1)) for stack, _ in layer_stacks(model)]
     completions = generate_distributed(model, PROMPTS, CFG, tokenizer, batch_size=2)
+    tensor_parallel.fence = fence
+    for handle in counting:
+        handle.remove()
     again = generate_distributed(model, PROMPTS[:1], CFG, tokenizer)  # fewer prompts than groups
     try:  # refused before it loads (the head counts are checked against its config), on every process
         load_pretrained(uneven_checkpoint, device, tensor_parallel_size=int(tp_size))
@@ -48,6 +57,7 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
         "kv_bytes_per_token": kv_bytes_per_token(model),  # what the KV budget reckons a token takes here
         "uneven_error": error,
         "unchanged": sharding(model) == before,  # decoding on local shards put transformers' sharding back
+        "fences": [len(fences), len(forwards)],  # each stack's forward began with one (weights/all_reduce.py)
     }
     with open(f"{output}.{os.environ['RANK']}", "w") as f:
         json.dump(report, f)

@@ -87,6 +87,7 @@ def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device
         assert report["completions"] == expected and report["again"] == expected[:1]
         assert report["compiled"] == (expected if compiled else None)
         assert report["unchanged"]
+        assert report["fences"][0] == report["fences"][1] > 0  # every forward of the layers began fenced
         assert "num_key_value_heads=1 is not divisible by 2" in report["uneven_error"]
 
 
@@ -102,6 +103,19 @@ def test_tensor_parallel_on_gpus_matches_one_gpu(checkpoint, tmp_path, processes
     """NCCL, each process on its own GPU, fp32: the tokens of the model on one GPU (compiled layers too, with CUDA
     graphs, for tp2)."""
     check_tensor_parallel(checkpoint, one_process(checkpoint, "cuda"), tmp_path, processes, "cuda", None)
+
+
+@pytest.mark.gpu
+@needs_gpus(2)
+def test_partial_sums_on_gpus_are_exact(tmp_path):
+    """The row-parallel sums over NCCL and symmetric memory (tests/all_reduce_worker.py): 48 different messages back
+    to back at each of three sizes (one-shot in its two slots, two-shot), eagerly and from four replays of a CUDA
+    graph, one rank's memory busy beside them; not one wrong sum."""
+    report_path = tmp_path / "sums.json"
+    torchrun(Path(__file__).parent / "all_reduce_worker.py", report_path, timeout=180, env=None)
+    report = json.loads(report_path.read_text())
+    assert [r["kind"] for r in report.values()] == ["one_shot", "one_shot", "two_shot"]
+    assert all(r["eager"] == 0 and r["replays"] == 0 for r in report.values()), report
 
 
 @pytest.mark.gpu

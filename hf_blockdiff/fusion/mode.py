@@ -26,7 +26,7 @@ from ..config import BlockDiffusionConfig
 from ..kernels.rmsnorm import rms_norm
 from ..kernels.skinny_gemm import MAX_ROWS
 from ..weights.quantization import compiles_well
-from ..weights.tensor_parallel import tensor_parallel_size
+from ..weights.tensor_parallel import layer_stacks, tensor_parallel_size
 from .compiling import compile_settings
 from .experts import fused_experts
 from .layers import fused_forwards, rotary_in_cache_attention_forward
@@ -73,10 +73,8 @@ def _fused_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated layers: every ModuleList with one module per hidden layer (DiffusionGemma has two, its
-    encoder's and its decoder's)."""
-    count = model.config.get_text_config().num_hidden_layers
-    return [layer for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count for layer in m]
+    """The model's repeated layers (`layer_stacks`)."""
+    return [layer for _, layers in layer_stacks(model) for layer in layers]
 
 
 @functools.cache
