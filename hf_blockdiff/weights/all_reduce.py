@@ -7,13 +7,12 @@ the group's backend (NCCL, gloo) otherwise. An op, so torch.compile and CUDA gra
 **The one-shot kernel's two slots.** The one-shot kernel copies this rank's partial into its slot of the symmetric
 buffer, waits for every rank to have done so, then reads the peers' slots; nothing says it waits for the peers to
 finish reading before it returns. So a rank running ahead could copy its next message over a slot a peer is still
-reading. Consecutive one-shot calls take alternate slots: a rank reaches the call after
-next, which takes the same slot again, only past the next call's wait, which every peer joins only once it has read
-the slot. That holds in the stream's order, and a CUDA graph replays its calls in the order they were captured, not
-after the calls the capture followed; so every forward of a stack of decoder layers begins unfenced (`fence`, called
-by `sharded_decoding` before each stack's forward), and its first small message goes through NCCL, which no rank
-leaves before every peer has entered it: after it (or after a two-shot call, which waits for every peer on entry too)
-both slots are free."""
+reading. Consecutive one-shot calls take alternate slots: a rank reaches the call after next, which takes the same slot
+again, only past the next call's wait, which every peer joins only once it has read the slot. That holds in the
+stream's order, and a CUDA graph replays its calls in the order they were captured, not after the calls the capture
+followed; so every forward of a stack of decoder layers begins unfenced (`fence`, called by `sharded_decoding` before
+each stack's forward), and its first small message goes through NCCL, which no rank leaves before every peer has
+entered it: after it (or after a two-shot call, which waits for every peer on entry too) both slots are free."""
 
 from __future__ import annotations
 
@@ -22,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# one-shot, two-shot and NCCL on two H200s (docs/benchmarks.md, "Tensor parallel"): one-shot the fastest up to
-# 128 KB (a decode step's reductions at batch 1 are 32 KB), two-shot above (from 256 KB; twice NCCL's speed at 2 MB,
-# about a step's at batch 32), NCCL beyond the buffer
+# the op's one-shot, two-shot and NCCL sums on two H200s (docs/benchmarks.md, "Tensor parallel"): one-shot the fastest
+# up to 256 KB (9.4 us there against the two-shot's 10.1; a decode step's reductions at batch 1 are 32 KB), two-shot
+# above (twice NCCL's speed at 2 MB, about a step's at batch 32), NCCL beyond the buffer
 ONE_SHOT_BYTES = 256 * 1024
 TWO_SHOT_BYTES = 8 * 1024 * 1024
 SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)
