@@ -110,7 +110,8 @@ def test_tensor_parallel_on_gpus_matches_one_gpu(checkpoint, tmp_path, processes
 def test_partial_sums_on_gpus_are_exact(tmp_path):
     """The row-parallel sums over NCCL and symmetric memory (tests/all_reduce_worker.py): 48 different messages back
     to back at each of three sizes (one-shot in its two slots, two-shot), eagerly and from four replays of a CUDA
-    graph, one rank's memory busy beside them; not one wrong sum."""
+    graph, one rank's memory busy beside them; not one wrong sum. Exactness under load: with a single slot it passed
+    too (docs/benchmarks.md, "Tensor parallel"), so the slot and fence rules are tests/test_all_reduce.py's."""
     report_path = tmp_path / "sums.json"
     torchrun(Path(__file__).parent / "all_reduce_worker.py", report_path, timeout=180, env=None)
     report = json.loads(report_path.read_text())
