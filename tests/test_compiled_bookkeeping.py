@@ -5,11 +5,13 @@ and per-token records."""
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
+from hf_blockdiff.fusion.compiling import compile_settings
 from hf_blockdiff.generation import engine as engine_module
 from hf_blockdiff.generation.step import PHASES, DecodeStep, compiled_phase
+from hf_blockdiff.scheduler import Scheduler
 from hf_blockdiff.tools.measure import recompile_limits_hit
 
 from helpers import MASK, left_pad, random_prompts
@@ -53,3 +55,34 @@ def test_compiled_bookkeeping_keeps_every_token(qwen3, mode, monkeypatch):
     assert eager.num_forwards == compiled.num_forwards
     for record in ("logprobs", "entropies", "commit_step"):
         assert torch.equal(getattr(eager, record), getattr(compiled, record)), record
+
+
+def _aot_eager_step(scheduler, executor, _):
+    """A step whose scheduler calls are traced as `compiled_phase` traces them, through AOTAutograd on every trace
+    (inductor's cache would skip it when warm, and with it the specializations that make dynamo trace again)."""
+    step = DecodeStep(scheduler, executor, False)
+    for name in PHASES:
+        compiled = torch.compile(getattr(Scheduler, name), dynamic=True, backend="aot_eager")
+
+        def phase(*args, compiled=compiled, **kwargs):
+            with compile_settings():
+                return compiled(scheduler, *args, **kwargs)
+        setattr(step, name, phase)
+    return step
+
+
+def test_each_scheduler_call_is_traced_once(qwen3, monkeypatch):
+    """The config's floats are symbols to dynamo; a Python branch on one would be specialized after the trace, and
+    dynamo would trace the whole call again (seconds of a cold first call: docs/kernels.md, "Kernels and backends")."""
+    ids, mask = left_pad(random_prompts((9, 4, 6), seed=14))
+    cfg = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=8, eos_token_id=[], cuda_graphs=True,
+                               **MODES["multi_block"])
+    free_cache(qwen3)
+    torch._dynamo.reset()
+    clear_compilation_metrics()
+    monkeypatch.setattr(engine_module, "DecodeStep", _aot_eager_step)
+    qwen3.generate_multi_block(ids, cfg, attention_mask=mask)
+    free_cache(qwen3)
+    traced = {m.co_name: m.restart_reasons for m in get_compilation_metrics() if m.co_name in PHASES}
+    assert sorted(traced) == sorted(PHASES)
+    assert all(not reasons for reasons in traced.values()), traced

@@ -97,6 +97,12 @@ class Scheduler:
         self.active = torch.zeros_like(state.full)  # the next forward's plan, in fixed buffers
         self.store, self.span_start, self.span_end = (torch.zeros_like(state.added) for _ in range(3))
         self.chunk_total = torch.zeros((), dtype=torch.long, device=device)
+        # the branches on the config's floats taken here: traced by torch.compile a float is a symbol, and a branch
+        # on it makes dynamo specialize it and trace the whole call again (docs/kernels.md, "Kernels and backends":
+        # compiled bookkeeping)
+        self.guided = cfg.cfg_scale > 0
+        self.penalizes_edits = bool(cfg.edit_penalty)
+        self.reads_canvas = cfg.repetition_penalty != 1.0 or cfg.logits_processor is not None
         # T_i = T·(1 + slope·i/(B−1)) for block offset i, computed here once, eagerly: in a compiled step inductor
         # would divide by B−1 as a product with its reciprocal, 1 ulp off on some offsets
         self.position_temperature = None
@@ -169,7 +175,7 @@ class Scheduler:
         positions = chunks.positions.clamp(max=state.width)
         tokens = state.canvas[chunks.rows[:, None], positions]
         unconditional = None
-        if self.cfg.cfg_scale > 0:
+        if self.guided:
             prompt = positions < state.prompt_len[chunks.rows][:, None]
             unconditional = tokens.masked_fill(prompt, self.cfg.mask_token_id)
         return ForwardLayout(chunks, tokens, positions, self.policy.key_limits(state, chunks), unconditional)
@@ -200,7 +206,7 @@ class Scheduler:
         offsets = pick % active.positions.shape[-1]
         temperature = None if self.position_temperature is None else self.position_temperature[offsets]
         preceding = None
-        if self.cfg.edit_penalty:
+        if self.penalizes_edits:
             before = state.canvas[rows, (positions - 1).clamp(0, state.width)]
             preceding = torch.where(offsets > 0, before, -1)
         sampling = None
@@ -212,7 +218,7 @@ class Scheduler:
 
     def context(self) -> torch.Tensor | None:
         """The decided canvases, where a repetition penalty or logits processor reads them (None otherwise)."""
-        if self.cfg.repetition_penalty == 1.0 and self.cfg.logits_processor is None:
+        if not self.reads_canvas:
             return None
         return self.state.decided_canvas()
 
