@@ -66,14 +66,14 @@ def steps_only(model, prompts, cfg, rank: int, show: bool) -> None:
     longer = cfg.replace(max_new_tokens=2 * cfg.max_new_tokens)
     model.generate_multi_block(prompts, longer)  # warm at both lengths
     short, long = profiled(model, prompts, cfg), profiled(model, prompts, longer)
+    if not show:
+        return
     forwards = long[2] - short[2]
     per_kernel = Counter({name: (long[0][name] - short[0][name]) / forwards for name in long[0]})
     by_kind = Counter()
     for name, us in per_kernel.items():
         by_kind[kind(name)] += us
     wall = (long[1] - short[1]) / forwards * 1e3
-    if not show:
-        return
     print(f"[rank {rank}] decode steps only: {forwards} forwards, {wall:.3f} ms wall per forward, "
           f"{sum(by_kind.values()) / 1e3:.3f} ms of kernels")
     for name, us in by_kind.most_common():
