@@ -1,8 +1,9 @@
 """How long one small all-reduce takes inside a CUDA graph, as a tensor-parallel decode step issues them (two per
 decoder layer): `torchrun --nproc_per_node 2 benchmarks/allreduce_latency.py` prints, per message size, the mean
 time of NCCL's all-reduce and of torch's symmetric-memory one-shot and two-shot all-reduces (NVLink loads and stores,
-no multicast), and of the library's op (`weights/all_reduce.py`: the kernel it picks for the size), each replayed from
-a graph of 64 back-to-back calls (docs/benchmarks.md, "Tensor parallel")."""
+no multicast; the op no longer takes the one-shot kernel, which summed wrong under load), and of the library's op
+(`weights/all_reduce.py`: the kernel it picks for the size), each replayed from a graph of 64 back-to-back calls
+(docs/benchmarks.md, "Tensor parallel")."""
 
 import os
 
@@ -10,20 +11,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-from hf_blockdiff.weights.all_reduce import fence, kind_of, partial_sums, sums_for
+from hf_blockdiff.weights.all_reduce import kind_of, partial_sums, sums_for
 
 CALLS, REPLAYS = 64, 20
 SIZES_KB = (8, 32, 128, 256, 512, 2048)
 
 
 def timed(fn) -> float:
-    """Mean microseconds of one `fn()` replayed from a graph of CALLS calls (after a `fence`, as a forward begins)."""
+    """Mean microseconds of one `fn()` replayed from a graph of CALLS calls."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fence()
         for _ in range(CALLS):
             fn()
     graph.replay()
@@ -59,8 +59,7 @@ def main():
         view.copy_(x)
         two = torch.empty_like(x)
         torch.ops.symm_mem.two_shot_all_reduce_out(view, "sum", group, two)
-        fence()
-        mine = [partial_sums(x, ours) for _ in range(3)]  # the backend, then both one-shot slots
+        mine = [partial_sums(x, ours) for _ in range(2)]
         ok = all(torch.allclose(y.float(), want, atol=0.1, rtol=0.02) for y in (one, two, *mine))
         nccl = timed(lambda: dist.all_reduce(x.clone()))
         one_shot = timed(lambda: torch.ops.symm_mem.one_shot_all_reduce_copy(view, x, "sum", group))
@@ -70,7 +69,7 @@ def main():
             torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", group)
         two_shot = timed(two)
         op = timed(lambda: partial_sums(x, ours))
-        kind = kind_of(kb * 1024, x.dtype, True, True)
+        kind = kind_of(kb * 1024, x.dtype, True)
         rows.append(f"| {kb} KB | {nccl:.1f} | {one_shot:.1f} | {two_shot:.1f} | {op:.1f} ({kind}) | {ok} |")
     if rank == 0:
         print(f"{dist.get_world_size()} x {torch.cuda.get_device_name()}, torch {torch.__version__}")

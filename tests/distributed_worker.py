@@ -8,7 +8,6 @@ import os
 import sys
 
 from hf_blockdiff import BlockDiffusionConfig
-from hf_blockdiff.weights import tensor_parallel
 from hf_blockdiff.weights.tensor_parallel import layer_stacks
 from hf_blockdiff.generation.engine import kv_bytes_per_token
 from hf_blockdiff.integrations.checkpoint import load_pretrained
@@ -33,13 +32,7 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
         compile=True, cuda_graphs=True), tokenizer, batch_size=2)] if compiled else None  # graphs' fixed shapes, eager
     rows, decode = [], model.generate_multi_block
     model.generate_multi_block = lambda ids, *args, **kwargs: rows.append(len(ids)) or decode(ids, *args, **kwargs)
-    fences, forwards, fence = [], [], tensor_parallel.fence
-    tensor_parallel.fence = lambda: fences.append(1) or fence()
-    counting = [stack.register_forward_pre_hook(lambda *_: forwards.append(1)) for stack, _ in layer_stacks(model)]
     completions = generate_distributed(model, PROMPTS, CFG, tokenizer, batch_size=2)
-    tensor_parallel.fence = fence
-    for handle in counting:
-        handle.remove()
     again = generate_distributed(model, PROMPTS[:1], CFG, tokenizer)  # fewer prompts than groups
     try:  # refused before it loads (the head counts are checked against its config), on every process
         load_pretrained(uneven_checkpoint, device, tensor_parallel_size=int(tp_size))
@@ -57,7 +50,6 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
         "kv_bytes_per_token": kv_bytes_per_token(model),  # what the KV budget reckons a token takes here
         "uneven_error": error,
         "unchanged": sharding(model) == before,  # decoding on local shards put transformers' sharding back
-        "fences": [len(fences), len(forwards)],  # each stack's forward began with one (weights/all_reduce.py)
     }
     with open(f"{output}.{os.environ['RANK']}", "w") as f:
         json.dump(report, f)

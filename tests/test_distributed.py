@@ -87,7 +87,6 @@ def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device
         assert report["completions"] == expected and report["again"] == expected[:1]
         assert report["compiled"] == (expected if compiled else None)
         assert report["unchanged"]
-        assert report["fences"][0] == report["fences"][1] > 0  # every forward of the layers began fenced
         assert "num_key_value_heads=1 is not divisible by 2" in report["uneven_error"]
 
 
@@ -109,13 +108,14 @@ def test_tensor_parallel_on_gpus_matches_one_gpu(checkpoint, tmp_path, processes
 @needs_gpus(2)
 def test_partial_sums_on_gpus_are_exact(tmp_path):
     """The row-parallel sums over NCCL and symmetric memory (tests/all_reduce_worker.py): 48 different messages back
-    to back at each of three sizes (one-shot in its two slots, two-shot), eagerly and from four replays of a CUDA
-    graph, one rank's memory busy beside them; not one wrong sum. Exactness under load: with a single slot it passed
-    too (docs/benchmarks.md, "Tensor parallel"), so the slot and fence rules are tests/test_all_reduce.py's."""
+    to back at each of three sizes (NCCL, two-shot at the smallest and the largest size it takes), eagerly and from
+    twenty replays of a CUDA graph, one rank's memory busy beside them; not one wrong sum. torch's one-shot kernel,
+    which the op took for small messages until 2026-11-27, summed wrong here (docs/benchmarks.md, "Tensor
+    parallel")."""
     report_path = tmp_path / "sums.json"
     torchrun(Path(__file__).parent / "all_reduce_worker.py", report_path, timeout=180, env=None)
     report = json.loads(report_path.read_text())
-    assert [r["kind"] for r in report.values()] == ["one_shot", "one_shot", "two_shot"]
+    assert [r["kind"] for r in report.values()] == ["backend", "two_shot", "two_shot"]
     assert all(r["eager"] == 0 and r["replays"] == 0 for r in report.values()), report
 
 

@@ -12,8 +12,7 @@ inside the first attention with a bare reshape error; `check_tensor_parallel` sa
 
 While decoding, `sharded_decoding` runs the sharded layers on their local shards as plain `nn.Linear` layers, so the
 fused decode paths (`fusion/layers.py`) take them as they take a one-GPU model, and puts one all-reduce of our own
-(`all_reduce.partial_sums`) where transformers' row-wise layers reduce (docs/benchmarks.md, "Tensor parallel"), each
-stack of layers' forward beginning with `all_reduce.fence`.
+(`all_reduce.partial_sums`) where transformers' row-wise layers reduce (docs/benchmarks.md, "Tensor parallel").
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .all_reduce import fence, partial_sums, sums_for
+from .all_reduce import partial_sums, sums_for
 from .shard_layout import plan_style, sharded_dim
 
 LOCAL_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")  # a gathered LM head keeps its forward
@@ -147,10 +146,6 @@ def layer_stacks(model) -> list[tuple[torch.nn.Module, torch.nn.ModuleList]]:
             if isinstance(child, torch.nn.ModuleList) and len(child) == count]
 
 
-def _fence(module, args) -> None:
-    fence()
-
-
 @contextmanager
 def sharded_decoding(model):
     """A tensor-parallel model's sharded layers as plain layers on their local shards for the block (module
@@ -158,8 +153,6 @@ def sharded_decoding(model):
     Layers of other styles (a gathered LM head, experts) keep transformers' forwards."""
     swaps = _local_swaps(model) if tensor_parallel_size(model) > 1 else []
     saved = [(module, dict(module._parameters), vars(module)["forward"]) for module, _, _ in swaps]
-    # each stack's forward begins unfenced (all_reduce's module docstring): a graph replays from such a start
-    fences = [stack.register_forward_pre_hook(_fence) for stack, _ in layer_stacks(model)] if swaps else []
     try:
         for module, params, group in swaps:
             module._parameters.update(params)
@@ -169,8 +162,6 @@ def sharded_decoding(model):
                 module.forward = row_parallel_forward.__get__(module)
         yield
     finally:
-        for handle in fences:
-            handle.remove()
         for module, params, forward in saved:
             module._parameters.update(params)
             module.forward = forward
