@@ -294,6 +294,11 @@ class BlockDiffusionConfig:
     def strict_threshold(self) -> bool:
         return STRATEGIES[self.strategy].strict if self.threshold_strict is None else self.threshold_strict
 
+    @property
+    def guided(self) -> bool:
+        """Classifier-free guidance is on: an unconditional canvas (the prompt masked) runs beside each row."""
+        return self.cfg_scale > 0
+
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "BlockDiffusionConfig":
         """A config reproducing a reference decoder (see `hf_blockdiff.config.presets`); `overrides` win."""

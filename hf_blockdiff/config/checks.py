@@ -29,7 +29,7 @@ def check_modes(cfg) -> None:
     if cfg.approx_cache != "none" and (cfg.attention != "bidirectional" or cfg.max_active_blocks != 1):
         fail("approx_cache", cfg.approx_cache, "approximate caches need attention='bidirectional' and "
              "max_active_blocks=1; block-causal models have an exact cache")
-    if cfg.cfg_scale > 0 and (cfg.attention != "bidirectional" or cfg.approx_cache != "none"):
+    if cfg.guided and (cfg.attention != "bidirectional" or cfg.approx_cache != "none"):
         fail("cfg_scale", cfg.cfg_scale, "classifier-free guidance needs attention='bidirectional' and no "
              "approximate cache")
     if cfg.editing_threshold is not None and (

@@ -39,7 +39,7 @@ STOCK_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSN
 def few_tokens(cfg: BlockDiffusionConfig, rows: int) -> bool:
     """Whether every denoising forward (the active blocks and a stored one per row, doubled with guidance) fits the
     skinny-GEMM kernel."""
-    return (2 if cfg.cfg_scale > 0 else 1) * rows * (cfg.max_active_blocks + 1) * cfg.block_size <= MAX_ROWS
+    return (2 if cfg.guided else 1) * rows * (cfg.max_active_blocks + 1) * cfg.block_size <= MAX_ROWS
 
 
 def fully_fused(model) -> bool:

@@ -135,7 +135,7 @@ class Engine:
         # backends"); on CUDA only, where each kernel it removes is a launch
         self.decode_step = DecodeStep(self.scheduler, self.executor, graphs and device.type == "cuda"
                                       and fusion == "compile")
-        guided = cfg.cfg_scale > 0  # the unconditional canvases mask the prompt: their prefix differs
+        guided = cfg.guided  # the unconditional canvases mask the prompt: their prefix differs
         if store is None and cfg.runtime.prefix_cache_tokens:
             store = PrefixStore(self.executor.cache, cfg.block_size, cfg.runtime.prefix_cache_tokens)
         self.pages = PageAssigner(self.executor.cache, slots, guided, self.scheduler.policy.prefills and not guided,
@@ -309,7 +309,7 @@ def _cache_plan(model, cfg: BlockDiffusionConfig, prompts: list[torch.Tensor], w
     (twice with guidance), less the prefix pages the samples of a prompt share, plus a tail page per slot and the
     prefix store; the pool, sized for canvases of the width's `shape_bucket` (later calls reuse the engine), never
     exceeds the budget (prompts short of pages wait)."""
-    page, guided, stored = cfg.runtime.page_size, cfg.cfg_scale > 0, cfg.runtime.prefix_cache_tokens
+    page, guided, stored = cfg.runtime.page_size, cfg.guided, cfg.runtime.prefix_cache_tokens
     canvas, bucket = (math.ceil(w / page) * page * (2 if guided else 1) for w in (width, shape_bucket(width)))
     unbounded = slots * (bucket + page) + stored
     budget = cfg.runtime.max_cache_tokens

@@ -30,7 +30,7 @@ class ModelExecutor:
         self.model, self.cfg, self.backend, self.fusion = model, cfg, backend, fusion
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         self.lm_head = model.get_output_embeddings()
-        self.num_rows, self.guided = rows, cfg.cfg_scale > 0
+        self.num_rows, self.guided = rows, cfg.guided
         # batch-invariant: every projection and the LM head on the skinny GEMM's invariant launch (fusion/invariant.py)
         self.invariant = backend.batch_invariant
         # the gated MLPs as skinny-GEMM ops too where every denoising forward fits their kernel: the ops take more rows

@@ -100,7 +100,7 @@ class Scheduler:
         # the branches on the config's floats taken here: traced by torch.compile a float is a symbol, and a branch
         # on it makes dynamo specialize it and trace the whole call again (docs/kernels.md, "Kernels and backends":
         # compiled bookkeeping)
-        self.guided = cfg.cfg_scale > 0
+        self.guided = cfg.guided
         self.penalizes_edits = bool(cfg.edit_penalty)
         self.reads_canvas = cfg.repetition_penalty != 1.0 or cfg.logits_processor is not None
         # T_i = T·(1 + slope·i/(B−1)) for block offset i, computed here once, eagerly: in a compiled step inductor
