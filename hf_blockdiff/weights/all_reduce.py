@@ -47,8 +47,9 @@ class Sums:
         x = x.contiguous()
         out = torch.empty_like(x)
         size = x.numel() * x.element_size()
-        if kind_of(size, x.dtype, self.buffer is not None) == "two_shot":  # in place, then copied out: its `_out`
-            shared = self.buffer[:size].view(x.dtype)                       # form waits for the peers once more
+        if kind_of(size, x.dtype, self.buffer is not None) == "two_shot":
+            # in place, then copied out: its `_out` form waits for the peers once more
+            shared = self.buffer[:size].view(x.dtype)
             shared.copy_(x.view(-1))
             torch.ops.symm_mem.two_shot_all_reduce_(shared, "sum", self.name)
             out.view(-1).copy_(shared)
