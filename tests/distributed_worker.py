@@ -1,8 +1,11 @@
 """Run by test_distributed under `torchrun --nproc_per_node W`: generation of a tiny checkpoint sharded on DEVICE (cpu:
 gloo, cuda: NCCL) over groups of TP_SIZE processes (one group: plain tensor parallel; several: hybrid data × tensor
 parallel), and of one whose KV heads cannot be split; with COMPILED, also with compiled decoder layers (the collectives
-traced into them); every process writes what it saw as JSON (OUTPUT.RANK)."""
+traced into them); with SOURCE (a JSONL of prompts), also the CLI's `generate` of it and its `bench` in the same launch
+(a launch of their own costs about 25 s on the CPU); every process writes what it saw as JSON (OUTPUT.RANK)."""
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -25,11 +28,35 @@ def sharding(model) -> tuple:
             [list(stack._forward_pre_hooks) for stack, _ in layer_stacks(model)])
 
 
-def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, device: str, compiled: str = "") -> None:
+def command_line(checkpoint: str, tp_size: str, device: str, source: str) -> dict:
+    """The CLI's `generate` of `source` (CFG's settings) and its `bench` of the tiny shape, both with this launch's
+    groups: their exit codes, what they printed and what `generate` wrote (SOURCE.out.jsonl, by the first process)."""
+    from hf_blockdiff.cli import main as cli
+
+    launch = ["--device", device, "--tensor-parallel-size", tp_size]
+    commands = {
+        "generate": ["generate", "--model", checkpoint, "--input", source, "--output", f"{source}.out.jsonl",
+                     "--batch-size", "2", "--max-new-tokens", "8", "--threshold", "0.6", "--eos-token-id", *launch],
+        "bench": ["bench", "--shape", "tiny", "--batch-size", "2", "--prompt-len", "9", "--new-tokens", "8",
+                  "--dtype", "float32", "--skip-reference", "--json", "--tensor-parallel", *launch],
+    }
+    runs = {}
+    for name, args in commands.items():
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli(args)
+        runs[name] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+    return runs
+
+
+def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, device: str, layers: str,
+         source: str = "") -> None:
+    """`layers`: "compiled" (also decode with compiled layers and CUDA graphs, after the eager layers) or "eager"."""
     model, tokenizer = load_pretrained(checkpoint, device, tensor_parallel_size=int(tp_size))
     before = sharding(model)
-    compiled_texts = [c.text for c in generate_distributed(model, PROMPTS, CFG.replace(
-        compile=True, cuda_graphs=True), tokenizer, batch_size=2)] if compiled else None  # graphs' fixed shapes, eager
+    compiled = CFG.replace(compile=True, cuda_graphs=True)  # the graphs' fixed shapes with the collectives inside
+    compiled_texts = ([c.text for c in generate_distributed(model, PROMPTS, compiled, tokenizer, batch_size=2)]
+                      if layers == "compiled" else None)
     rows, decode = [], model.generate_multi_block
     model.generate_multi_block = lambda ids, *args, **kwargs: rows.append(len(ids)) or decode(ids, *args, **kwargs)
     completions = generate_distributed(model, PROMPTS, CFG, tokenizer, batch_size=2)
@@ -50,6 +77,7 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
         "kv_bytes_per_token": kv_bytes_per_token(model),  # what the KV budget reckons a token takes here
         "uneven_error": error,
         "unchanged": sharding(model) == before,  # decoding on local shards put transformers' sharding back
+        "command_line": command_line(checkpoint, tp_size, device, source) if source else None,
     }
     with open(f"{output}.{os.environ['RANK']}", "w") as f:
         json.dump(report, f)

@@ -1,7 +1,8 @@
 """Run by test_large_models under `torchrun --nproc_per_node 2` on the CPU (gloo): a sharded LLaDA2 checkpoint loaded
 with tp_plan="auto", and random weights of its shape built per shard, each watched for tensors of a split weight's
 whole shape (a process that built or read the whole model makes them); the plain load of the same checkpoint, watched
-the same way, shows that the watch sees them. Every process writes what it saw as JSON (OUTPUT.RANK)."""
+the same way, shows that the watch sees them; the loaded and the whole model decode a batch with LLaDA2.1's editing
+preset. Every process writes what it saw as JSON (OUTPUT.RANK)."""
 
 import json
 import os
@@ -12,12 +13,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM
 
+from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.generation.engine import kv_bytes_per_token
 from hf_blockdiff.integrations.distributed import build_sharded, load_sharded
 from hf_blockdiff.tools.bench_models import shape_config
 from hf_blockdiff.weights.shard_layout import local_weight_bytes, shard_layout
 
 PROMPTS = torch.arange(48).view(2, 24) * 97 % 5000  # 24 tokens: the 8 new ones end the first block of 32
+MASK = torch.ones_like(PROMPTS)
+MASK[1, :3] = 0  # the second prompt left-padded to the first's length
+# LLaDA2.1's preset with editing (its thresholds low enough that the random weights commit and edit)
+CFG = dict(max_new_tokens=8, eos_token_id=[], threshold=0.1, editing_threshold=0.5, attention_backend="sdpa")
 
 
 class Shapes(TorchDispatchMode):
@@ -49,10 +55,10 @@ def watched(build):
     return model, watch.seen
 
 
-def decode(model) -> list[list[int]]:
-    out = model.generate_multi_block(PROMPTS, max_new_tokens=8, threshold=0.6, eos_token_id=[], temperature=0,
-                                     attention_backend="sdpa")
-    return out.tolist()
+def decode(model) -> dict:
+    out = model.generate_multi_block(PROMPTS, BlockDiffusionConfig.from_preset("llada2_1", **CFG),
+                                     attention_mask=MASK, return_dict=True)
+    return {"sequences": out.sequences.tolist(), "edits": out.edits.tolist()}
 
 
 def weights(model, whole) -> dict:

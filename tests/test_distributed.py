@@ -1,6 +1,6 @@
 """Several processes decoding together. On the CPU (gloo), wherever the tests run (their processes see no GPU): data
-parallelism through the CLI, tensor parallelism with tp_plan="auto" and both at once (2 groups of 2) give the
-single-process outputs. Marked gpu, one GPU per process (NCCL): tensor parallelism gives one GPU's tokens (fp32), the
+parallelism through the CLI, tensor parallelism with tp_plan="auto" and both at once (2 groups of 2: the library's
+calls, the CLI's `generate` and its `bench` in one launch) give the single-process outputs. Marked gpu, one GPU per process (NCCL): tensor parallelism gives one GPU's tokens (fp32), the
 bench shards on the device it is given, and a launch of more processes than GPUs is refused. Each test launches
 `torchrun` (about 10 s)."""
 
@@ -51,18 +51,28 @@ def expected(checkpoint):
     return one_process(checkpoint, "cpu")
 
 
-@pytest.mark.parametrize(("processes", "tp_size"), [(2, 1), (4, 2)], ids=["dp2", "tp2xdp2"])
-def test_data_parallel_cli_matches_one_process(checkpoint, expected, tmp_path, processes, tp_size):
-    run, records = generate_cli(checkpoint, tmp_path, "cpu", processes, tp_size, CPU_ONLY)
+def test_data_parallel_cli_matches_one_process(checkpoint, expected, tmp_path):
+    """Two processes, a group of one each (TP2 x DP2 in one launch with the library's calls:
+    test_tensor_parallel_matches_one_process)."""
+    run, records = generate_cli(checkpoint, tmp_path, "cpu", 2, 1, CPU_ONLY)
+    check_generate_cli(run.stderr, records, expected)
+
+
+def check_generate_cli(stderr: str, records: list[dict], expected: list[str]) -> None:
     assert [r["prompt"] for r in records] == PROMPTS
     assert [r["completion"] for r in records] == expected
-    assert "2/2" in run.stderr and "3/3" not in run.stderr  # the main process's bar: 3 of the 5 prompts, 2 batches
+    assert "2/2" in stderr and "3/3" not in stderr  # the main process's bar: 3 of the 5 prompts, 2 batches
+
+
+def prompts_file(tmp_path) -> Path:
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return source
 
 
 def generate_cli(checkpoint, tmp_path, device: str, processes: int, tp_size: int, env):
     """The CLI's `generate` of PROMPTS (CFG's settings) under torchrun: the run and its output records."""
-    source, output = tmp_path / "in.jsonl", tmp_path / f"out-{processes}-{tp_size}.jsonl"
-    source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    source, output = prompts_file(tmp_path), tmp_path / f"out-{processes}-{tp_size}.jsonl"
     run = torchrun("-m", "hf_blockdiff.cli", "generate", "--model", checkpoint, "--input", source, "--output", output,
                    "--batch-size", 2, "--max-new-tokens", 8, "--threshold", 0.6, "--eos-token-id", "--device", device,
                    "--tensor-parallel-size", tp_size, processes=processes, timeout=240, env=env)
@@ -70,11 +80,13 @@ def generate_cli(checkpoint, tmp_path, device: str, processes: int, tp_size: int
 
 
 def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device: str, env) -> None:
-    """distributed_worker.py under `torchrun` on `device`: every process ends with the single-process completions."""
+    """distributed_worker.py under `torchrun` on `device`, groups of two: every process ends with the single-process
+    completions. Two processes also decode with compiled layers (about 30 s on the CPU: once); four, two groups, also
+    run the CLI's `generate` and `bench` (a launch of their own would cost about 25 s each on the CPU)."""
     uneven = save_checkpoint(tmp_path / "one-kv-head", num_key_value_heads=1)
     report_path = tmp_path / "report.json"
-    compiled = ["compiled"] if processes == 2 else []  # compiling takes about 30 s on the CPU: once
-    torchrun(Path(__file__).parent / "distributed_worker.py", checkpoint, uneven, 2, report_path, device, *compiled,
+    extra = ["compiled"] if processes == 2 else ["eager", prompts_file(tmp_path)]
+    torchrun(Path(__file__).parent / "distributed_worker.py", checkpoint, uneven, 2, report_path, device, *extra,
              processes=processes, timeout=300, env=env)
     reports = [json.loads(Path(f"{report_path}.{rank}").read_text()) for rank in range(processes)]
     # batches of 2 of the 5 prompts, then of the 1: one group decodes them all; of two groups the first decodes 3
@@ -85,9 +97,16 @@ def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device
         assert report["cache_kv_heads"] == 1  # the tiny model has 2 KV heads: one per process
         assert report["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 4  # K and V, 2 layers, its 1 head of 16, fp32
         assert report["completions"] == expected and report["again"] == expected[:1]
-        assert report["compiled"] == (expected if compiled else None)
+        assert report["compiled"] == (expected if processes == 2 else None)
         assert report["unchanged"]
         assert "num_key_value_heads=1 is not divisible by 2" in report["uneven_error"]
+    if processes == 4:  # the CLI's `generate` in input order, and the bench's two prompts split between the groups
+        runs = [report["command_line"] for report in reports]
+        assert all(run[name]["code"] == 0 for run in runs for name in ("generate", "bench"))
+        records = [json.loads(line) for line in Path(f"{tmp_path / 'in.jsonl'}.out.jsonl").read_text().splitlines()]
+        check_generate_cli(runs[0]["generate"]["stderr"], records, expected)
+        name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        check_bench_report([run["bench"]["stdout"] for run in runs], name, "4 (tensor parallel 2 x data parallel 2)")
 
 
 @pytest.mark.parametrize("processes", [2, 4], ids=["tp2", "tp2xdp2"])
@@ -120,13 +139,12 @@ def test_partial_sums_on_gpus_are_exact(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tp_size", [4, 2], ids=["tp4", "tp2xdp2"])
 @needs_gpus(4)
-def test_cli_on_four_gpus_matches_one_gpu(tmp_path, tp_size):
-    """`generate` over four GPUs (NCCL, fp32), one group of four or two groups of two: one GPU's completions, in input
-    order (a checkpoint of 4 KV heads, so four processes split them)."""
+def test_cli_on_four_gpus_matches_one_gpu(tmp_path):
+    """`generate` over four GPUs (NCCL, fp32), one group of four: one GPU's completions, in input order (a checkpoint of
+    4 KV heads, so four processes split them; two groups of two: test_tensor_parallel_on_gpus_matches_one_gpu)."""
     four = save_checkpoint(tmp_path / "four-kv-heads", num_attention_heads=4, num_key_value_heads=4)
-    _, records = generate_cli(four, tmp_path, "cuda", 4, tp_size, None)
+    _, records = generate_cli(four, tmp_path, "cuda", 4, 4, None)
     assert [r["prompt"] for r in records] == PROMPTS
     assert [r["completion"] for r in records] == one_process(four, "cuda")
 
@@ -181,21 +199,14 @@ def bench_tensor_parallel(device: str, env, tp_size: int | None = None, **launch
     return torchrun("-m", "hf_blockdiff.cli", *args, env=env, **launch)
 
 
-def check_bench_report(run, device_name: str, kind: str = "2 (tensor parallel)") -> None:
-    """Only the first process reports; the sharded random weights decode the single process's forwards; data-parallel
-    groups report their tokens together."""
-    reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+def check_bench_report(stdouts: list[str], device_name: str, kind: str = "2 (tensor parallel)") -> None:
+    """Only the first process reports (`stdouts`: of the launch, or of each process); the sharded random weights
+    decode the single process's forwards; data-parallel groups report their tokens together."""
+    reports = [json.loads(line) for stdout in stdouts for line in stdout.splitlines() if line.startswith("{")]
     assert len(reports) == 1 and reports[0]["device"] == f"{device_name} x {kind}"
     assert reports[0]["first_call"]["seconds"] > 0
     assert reports[0]["results"][0]["forwards"] == reports[0]["first_call"]["forwards"] == 12
     assert reports[0]["results"][0]["tokens"] == 16 and reports[0]["results"][0]["rows"] == 2
-
-
-def test_bench_tensor_parallel_groups_split_the_batch():
-    """Two groups of two ranks (TP2 x DP2): each decodes one of the two prompts, reported as one call (one group of
-    two: test_bench_tensor_parallel_on_a_gpu_host, on the CPU as well)."""
-    run = bench_tensor_parallel("cpu", CPU_ONLY, tp_size=2, processes=4, timeout=240)
-    check_bench_report(run, "cpu", "4 (tensor parallel 2 x data parallel 2)")
 
 
 @pytest.mark.gpu
@@ -203,7 +214,8 @@ def test_bench_tensor_parallel_groups_split_the_batch():
 def test_bench_tensor_parallel_on_a_gpu_host(device):
     """With GPUs in sight the bench shards where --device says: cuda over NCCL, each process on its own GPU (the
     prompts on the model's GPU), or the CPU over gloo."""
-    check_bench_report(bench_tensor_parallel(device, None), torch.cuda.get_device_name() if device == "cuda" else "cpu")
+    run = bench_tensor_parallel(device, None)
+    check_bench_report([run.stdout], torch.cuda.get_device_name() if device == "cuda" else "cpu")
 
 
 @pytest.mark.gpu

@@ -63,7 +63,9 @@ def test_no_process_holds_the_whole_model(sharded_checkpoint, tmp_path):
         assert any("(8, 64, 64)" in seen for seen in report["whole_seen"]), report["whole_seen"]
         check_weights(report["loaded"])
         check_weights(report["built"])
-        assert report["tokens"] == report["whole_tokens"]  # the sharded checkpoint decodes one process's tokens
+        # the sharded checkpoint (its experts split by transformers' MoE plan) decodes one process's tokens and
+        # edits, a left-padded prompt among them
+        assert report["tokens"] == report["whole_tokens"] and sum(report["tokens"]["edits"]) > 0
         # LLaDA2's fused query_key_value is kept whole, so every process caches every KV head, and its KV budget
         # reckons a token's bytes so
         assert report["cache_kv_heads"] == 2 and report["kv_bytes_per_token"] == [2 * 2 * 2 * 16 * 4] * 2

@@ -84,9 +84,8 @@ def test_many_pairs_match_the_reference(device, poisoned, act):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_many_pairs_equal_transformers_grouped_mm_forward_bf16(device, weight_dtype, act):
+@pytest.mark.parametrize(("act", "weight_dtype"), [("silu", torch.bfloat16), ("gelu_tanh", torch.float32)])
+def test_many_pairs_equal_transformers_grouped_mm_forward_bf16(device, act, weight_dtype):
     """transformers' own `grouped_mm` forward in bfloat16 (the same grouped GEMMs): equal but for rare differences of
     a few ulps. A gated value may differ by one ulp (the kernel's exponential is not torch's), which the down
     projection carries into its outputs, and with fp32 routing weights the fp32 sum's order differs."""
