@@ -1,7 +1,7 @@
 """Run by test_distributed under `torchrun --nproc_per_node W`: generation of a tiny checkpoint sharded on DEVICE (cpu:
 gloo, cuda: NCCL) over groups of TP_SIZE processes (one group: plain tensor parallel; several: hybrid data × tensor
-parallel), and of one whose KV heads cannot be split; with COMPILED, also with compiled decoder layers (the collectives
-traced into them); with SOURCE (a JSONL of prompts), also the CLI's `generate` of it and its `bench` in the same launch
+parallel), and of one whose KV heads cannot be split; with LAYERS "compiled", also with compiled decoder layers (the
+collectives traced into them); with SOURCE (a JSONL of prompts), also the CLI's `generate` of it and its `bench` in the same launch
 (a launch of their own costs about 25 s on the CPU); every process writes what it saw as JSON (OUTPUT.RANK)."""
 
 import contextlib
