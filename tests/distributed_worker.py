@@ -1,8 +1,9 @@
 """Run by test_distributed under `torchrun --nproc_per_node W`: generation of a tiny checkpoint sharded on DEVICE (cpu:
 gloo, cuda: NCCL) over groups of TP_SIZE processes (one group: plain tensor parallel; several: hybrid data × tensor
 parallel), and of one whose KV heads cannot be split; with LAYERS "compiled", also with compiled decoder layers (the
-collectives traced into them); with SOURCE (a JSONL of prompts), also the CLI's `generate` of it and its `bench` in the same launch
-(a launch of their own costs about 25 s on the CPU); every process writes what it saw as JSON (OUTPUT.RANK)."""
+collectives traced into them); with SOURCE (a JSONL of prompts), also the CLI's `generate` of it and its `bench` in the
+same launch (a launch of their own costs about 25 s on the CPU); every process writes what it saw as JSON
+(OUTPUT.RANK)."""
 
 import contextlib
 import io
@@ -18,6 +19,10 @@ from hf_blockdiff.integrations.distributed import generate_distributed
 
 CFG = BlockDiffusionConfig(max_new_tokens=8, threshold=0.6, eos_token_id=[])
 PROMPTS = ["hello", "x = 1", "abc def", "Once upon a time", "0123456789"]
+GENERATE_FLAGS = ["--batch-size", "2", "--max-new-tokens", "8", "--threshold", "0.6", "--eos-token-id"]  # CFG's
+# the CLI's bench as the tests launch it, but for --device
+BENCH = ["bench", "--shape", "tiny", "--batch-size", "2", "--prompt-len", "9", "--new-tokens", "8",
+         "--dtype", "float32", "--skip-reference", "--json", "--tensor-parallel"]
 
 
 def sharding(model) -> tuple:
@@ -36,9 +41,8 @@ def command_line(checkpoint: str, tp_size: str, device: str, source: str) -> dic
     launch = ["--device", device, "--tensor-parallel-size", tp_size]
     commands = {
         "generate": ["generate", "--model", checkpoint, "--input", source, "--output", f"{source}.out.jsonl",
-                     "--batch-size", "2", "--max-new-tokens", "8", "--threshold", "0.6", "--eos-token-id", *launch],
-        "bench": ["bench", "--shape", "tiny", "--batch-size", "2", "--prompt-len", "9", "--new-tokens", "8",
-                  "--dtype", "float32", "--skip-reference", "--json", "--tensor-parallel", *launch],
+                     *GENERATE_FLAGS, *launch],
+        "bench": [*BENCH, *launch],
     }
     runs = {}
     for name, args in commands.items():

@@ -1,8 +1,8 @@
 """Several processes decoding together. On the CPU (gloo), wherever the tests run (their processes see no GPU): data
 parallelism through the CLI, tensor parallelism with tp_plan="auto" and both at once (2 groups of 2: the library's
-calls, the CLI's `generate` and its `bench` in one launch) give the single-process outputs. Marked gpu, one GPU per process (NCCL): tensor parallelism gives one GPU's tokens (fp32), the
-bench shards on the device it is given, and a launch of more processes than GPUs is refused. Each test launches
-`torchrun` (about 10 s)."""
+calls, the CLI's `generate` and its `bench` in one launch) give the single-process outputs. Marked gpu, one GPU per
+process (NCCL): tensor parallelism gives one GPU's tokens (fp32), the bench shards on the device it is given, and a
+launch of more processes than GPUs is refused. Each test launches `torchrun` (about 10 s)."""
 
 import json
 import os
@@ -18,7 +18,7 @@ from hf_blockdiff.integrations.checkpoint import load_pretrained
 from hf_blockdiff.integrations.completions import complete
 from hf_blockdiff.integrations.distributed import init_tensor_parallel, load_sharded, shard_device
 
-from distributed_worker import CFG, PROMPTS
+from distributed_worker import BENCH, CFG, GENERATE_FLAGS, PROMPTS
 from helpers import save_checkpoint
 
 # the CPU tests' processes see no GPU, on a GPU host too, and run Triton's kernels in its interpreter, as on a machine
@@ -74,8 +74,8 @@ def generate_cli(checkpoint, tmp_path, device: str, processes: int, tp_size: int
     """The CLI's `generate` of PROMPTS (CFG's settings) under torchrun: the run and its output records."""
     source, output = prompts_file(tmp_path), tmp_path / f"out-{processes}-{tp_size}.jsonl"
     run = torchrun("-m", "hf_blockdiff.cli", "generate", "--model", checkpoint, "--input", source, "--output", output,
-                   "--batch-size", 2, "--max-new-tokens", 8, "--threshold", 0.6, "--eos-token-id", "--device", device,
-                   "--tensor-parallel-size", tp_size, processes=processes, timeout=240, env=env)
+                   *GENERATE_FLAGS, "--device", device, "--tensor-parallel-size", tp_size, processes=processes,
+                   timeout=240, env=env)
     return run, [json.loads(line) for line in output.read_text().splitlines()]
 
 
@@ -191,12 +191,8 @@ def test_cpu_shards_on_a_cuda_build(monkeypatch):
     assert shard_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def bench_tensor_parallel(device: str, env, tp_size: int | None = None, **launch):
-    args = ["bench", "--shape", "tiny", "--batch-size", 2, "--prompt-len", 9, "--new-tokens", 8, "--device", device,
-            "--dtype", "float32", "--skip-reference", "--json", "--tensor-parallel"]
-    if tp_size is not None:
-        args += ["--tensor-parallel-size", tp_size]
-    return torchrun("-m", "hf_blockdiff.cli", *args, env=env, **launch)
+def bench_tensor_parallel(device: str, env, **launch):
+    return torchrun("-m", "hf_blockdiff.cli", *BENCH, "--device", device, env=env, **launch)
 
 
 def check_bench_report(stdouts: list[str], device_name: str, kind: str = "2 (tensor parallel)") -> None:
