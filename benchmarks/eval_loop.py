@@ -1,6 +1,7 @@
 """An eval loop's calls, timed one by one, for several model families in one process: `python benchmarks/eval_loop.py
 [--shapes sdar-4b llada2-mini:4 diffusion-gemma-26b-a4b:4] [--calls 8] [--batch-sizes 32,24,32,16,28,32,20,30]
-[--new-tokens 128,64] [--min-prompt 16] [--max-prompt 512] [--denoising-steps 16] [--device cuda|cpu]` decodes, per
+[--new-tokens 128,64] [--min-prompt 16] [--max-prompt 512] [--denoising-steps 16] [--device cuda|cpu]
+[--compile-cache DIR]` decodes, per
 shape (`NAME:LAYERS` keeps its first LAYERS layers), `calls` batches of random prompts of min–max tokens (a new draw
 each call, as an eval set's batches come; call i takes the i-th batch size and new-token count, cycling) greedily and
 prints, per call, its seconds, the frames torch.compile compiled during it, dynamo's recompile reasons and the CUDA
@@ -23,6 +24,7 @@ from torch._dynamo.utils import counters
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
 from hf_blockdiff.generation.hf_conventions import as_given
+from hf_blockdiff.integrations import compile_cache
 from hf_blockdiff.tools.bench_models import SHAPES, build_model, prompt_ceiling
 from hf_blockdiff.tools.diffusion_gemma_bench import NEVER_CONFIDENT
 from hf_blockdiff.tools.diffusion_gemma_bench import build as build_diffusion_gemma
@@ -44,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-prompt", type=int)
     parser.add_argument("--calls", type=int, default=8)
     parser.add_argument("--denoising-steps", type=int, default=16)
+    parser.add_argument("--compile-cache", metavar="DIR", help="compile_cache.load(model, DIR) before the first call "
+                        "(default: none)")
     args = parser.parse_args(argv)
     shapes, batches, new, low, high = DEFAULTS[args.device]
     args.shapes = args.shapes or shapes
@@ -110,6 +114,8 @@ def run_family(spec: str, args, since) -> list[dict]:
     """The loop's calls on one model, a row each."""
     device = args.device
     model, config = build(spec, device)
+    if args.compile_cache:
+        compile_cache.load(model, args.compile_cache)
     top = prompt_ceiling(model)
     generator = torch.Generator().manual_seed(0)
     since()  # what building compiled is not the loop's

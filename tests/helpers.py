@@ -39,6 +39,7 @@ def forget_compiled_regions():
 
     for region in regions.AHEAD_OF_TIME:
         region.variants.clear()
+        region.sent.clear()
         region.failed.clear()
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_blockdiff.cli import main
+from hf_blockdiff.fusion import ahead_of_time
 from hf_blockdiff.integrations import compile_cache
 
 from helpers import tiny_model
@@ -158,3 +159,25 @@ def test_triton_assembles_with_the_ptxas_of_inductors_workers(model, tmp_path, m
                         raising=hasattr(tasks, "_set_triton_ptxas_path"))
     compile_cache.load(model, tmp_path)
     assert os.environ["TRITON_PTXAS_PATH"] == "torch's"
+
+
+def test_load_leaves_what_the_directory_lacks_to_the_worker_and_warmup_does_not(model, tmp_path, monkeypatch, capsys):
+    """`load` turns the compile worker on (fusion/compile_worker.py) unless told not to; `warmup` compiles in its own
+    process; `bench --compile-cache` waits for the worker after its first call, then times a call that captures the
+    graphs again, and reports both (nothing compiles on the CPU by default: no job)."""
+    compile_cache.load(model, tmp_path)
+    assert ahead_of_time._in_worker
+    compile_cache.load(model, tmp_path, background=False)
+    assert not ahead_of_time._in_worker
+    asked = []
+    monkeypatch.setattr(ahead_of_time, "use_directory", lambda path, in_worker=False: asked.append(in_worker))
+    monkeypatch.setattr(model, "generate_multi_block", lambda ids, config: None)
+    compile_cache.warmup(model, tmp_path, batch_sizes=(1,), prompt_len=5)
+    assert asked == [False]
+    monkeypatch.undo()
+    code = main(["bench", "--shape", "tiny", "--batch-size", "2", "--prompt-len", "9", "--new-tokens", "8", "--device",
+                 "cpu", "--dtype", "float32", "--skip-reference", "--json", "--compile-cache", str(tmp_path)])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    background = report["compile_cache"]["background_compile"]
+    assert code == 0 and background["jobs"] == 0 and background["settled"]
+    assert background["next_call"]["name"] == "hf_blockdiff (after the worker)"

@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
-from hf_blockdiff.fusion import ahead_of_time, regions
+from hf_blockdiff.fusion import ahead_of_time, compile_worker, regions
 from hf_blockdiff.fusion.mode import decoder_layers, decoding_mode
 
 from helpers import MASK, forget_compiled_regions, left_pad, random_prompts
@@ -53,25 +53,30 @@ def test_fused_layers_compile_as_two_whole_regions_and_decode_the_uncompiled_tok
 @pytest.mark.skipif(not ahead_of_time.AVAILABLE, reason="torch before 2.11 has no aot_compile: the regions are "
                     "traced in each process (fusion/ahead_of_time.py)")
 def test_a_later_process_loads_the_regions_instead_of_tracing_them(qwen3, tmp_path, monkeypatch, recwarn):
+    """The first process runs the regions eager while the compile worker traces them whole and saves them, then loads
+    what it saved (one variant each, prefill and steps alike); a later process loads them too."""
     uncompiled = _decode(qwen3, False)
-    ahead_of_time.use_directory(tmp_path)  # conftest names no directory after the test
+    ahead_of_time.use_directory(tmp_path, in_worker=True)  # conftest names no directory after the test
     compiled, trace = [], ahead_of_time.AheadOfTime._compile
     monkeypatch.setattr(ahead_of_time.AheadOfTime, "_compile",
                         lambda self, args, kwargs: compiled.append(self.name) or trace(self, args, kwargs))
+    frames = counters["frames"]["ok"]
     try:
         _new_process()
-        first = _decode(qwen3, True)  # traced whole ahead of time (aot_compile takes no graph break) and saved
-        assert compiled == ["before_attention", "after_attention"]  # one variant each, prefill and steps alike
-        assert {path.name.split("-")[0] for path in (tmp_path / "regions").glob("*.bin")} == set(compiled)
+        first = _decode(qwen3, True)  # eager here, traced by the worker
+        assert compile_worker.WORKER.settle(600)
+        assert {path.name.split("-")[0] for path in (tmp_path / "regions").glob("*.bin")} == {
+            "before_attention", "after_attention"}
+        then = _decode(qwen3, True)  # what the worker saved
         _new_process()
-        compiled.clear()
-        frames = counters["frames"]["ok"]
         later = _decode(qwen3, True)
     finally:
         _new_process()
-    assert compiled == [] and counters["frames"]["ok"] == frames  # loaded: neither aot_compile nor torch.compile
-    assert not [w for w in recwarn if "ahead of time" in str(w.message) or "compile cache" in str(w.message)]
-    assert torch.equal(first, uncompiled) and torch.equal(later, uncompiled)
+    assert compiled == [] and counters["frames"]["ok"] == frames  # neither aot_compile nor torch.compile here
+    assert not [w for w in recwarn if "ahead of time" in str(w.message) or "compile cache" in str(w.message)
+                or "compile worker" in str(w.message)]
+    for tokens in (first, then, later):
+        assert torch.equal(tokens, uncompiled)
 
 
 def test_another_installed_forward_or_hook_is_another_artifact(qwen3):

@@ -6,10 +6,11 @@ import warnings
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
 from hf_blockdiff.generation import engine as engine_module
-from hf_blockdiff.fusion import ahead_of_time
+from hf_blockdiff.fusion import ahead_of_time, compile_worker
 from hf_blockdiff.generation.step import PHASES, DecodeStep, compiled_phase
 from hf_blockdiff.tools.bench import build_model
 from hf_blockdiff.kernels import flash
@@ -91,6 +92,54 @@ def test_compiled_bookkeeping_equals_eager_bookkeeping(mode, monkeypatch):
     assert compiled.num_forwards == eager.num_forwards
     for record in ("logprobs", "entropies", "commit_step"):
         assert torch.equal(getattr(compiled, record), getattr(eager, record)), record
+
+
+def test_bookkeeping_and_regions_compiled_by_the_worker_under_cuda_graphs(tmp_path, monkeypatch):
+    """A cold process with the compile worker on (fusion/compile_worker.py): its first call runs the layers' regions
+    and the bookkeeping eager, in its captured graphs, while the worker compiles them; then the same engine captures
+    its graphs again with what the worker saved. Nothing is traced here; the tokens are the eager bookkeeping's, the
+    records too once compiled (eager regions round as eager ops do: fp32 records to 1e-5)."""
+    if not ahead_of_time.AVAILABLE:
+        pytest.skip(f"torch {torch.__version__} has no aot_compile: no compile worker")
+    model = tiny_model("qwen3").to(CUDA)
+    prompts = random_prompts((9, 4, 6, 13, 5), seed=37)
+    run = dict(attention_backend="triton", cuda_graphs=True, compile=True, attention="block_causal", block_size=8,
+               temperature=0.9, pos_temp_slope=0.7)
+    compiled_phase.cache_clear()  # a cold process: nothing compiled in memory or in the directory
+    torch._dynamo.reset()
+    forget_compiled_regions()
+    traced, trace = [], ahead_of_time.AheadOfTime._compile
+    monkeypatch.setattr(ahead_of_time.AheadOfTime, "_compile",
+                        lambda self, args, kwargs: traced.append(self.name) or trace(self, args, kwargs))
+    from_worker, ask = [], ahead_of_time.AheadOfTime._from_worker
+
+    def asked(self, *args):
+        from_worker.append((self.name, ask(self, *args)))
+        return from_worker[-1][1]
+
+    monkeypatch.setattr(ahead_of_time.AheadOfTime, "_from_worker", asked)
+    ahead_of_time.use_directory(tmp_path, in_worker=True)
+    frames = counters["frames"]["ok"]
+    try:
+        first = generate(model, prompts, **run)  # eager here, the worker traces
+        engine = model._blockdiff_engine
+        assert compile_worker.WORKER.settle(600)
+        then = generate(model, prompts, **run)  # the same engine: its graphs captured again
+        assert model._blockdiff_engine is engine
+        free_cache(model)
+        monkeypatch.setattr(engine_module, "DecodeStep", _eager_bookkeeping)
+        eager = generate(model, prompts, **run)  # the regions as the worker saved them, the bookkeeping eager
+    finally:
+        ahead_of_time.use_directory(None)
+    assert traced == [] and counters["frames"]["ok"] == frames
+    names = set(PHASES) | {"before_attention", "after_attention"}
+    assert {path.name.split("-")[0] for path in tmp_path.glob("*/*.bin")} == names
+    assert {name for name, answer in from_worker if answer is ahead_of_time.EAGER} == names  # while it ran
+    assert {name for name, answer in from_worker if answer not in (None, ahead_of_time.EAGER)} == names  # then
+    assert torch.equal(first.sequences, eager.sequences) and torch.equal(then.sequences, eager.sequences)
+    for record in ("logprobs", "entropies", "commit_step"):
+        assert torch.equal(getattr(then, record), getattr(eager, record)), record
+        torch.testing.assert_close(getattr(first, record), getattr(eager, record), rtol=1e-5, atol=1e-5)
 
 
 def test_bookkeeping_and_regions_loaded_ahead_of_time_decode_as_eager(tmp_path, monkeypatch):

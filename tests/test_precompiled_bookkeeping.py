@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 
 from hf_blockdiff import BlockDiffusionConfig, free_cache
 from hf_blockdiff.generation import engine as engine_module
-from hf_blockdiff.fusion import ahead_of_time
+from hf_blockdiff.fusion import ahead_of_time, compile_worker
 from hf_blockdiff.generation import precompiled
 from hf_blockdiff.generation import step as step_module
 from hf_blockdiff.generation.step import PHASES, DecodeStep
@@ -50,18 +50,28 @@ def bookkeeping_dir(tmp_path):
 
 
 def test_a_later_process_loads_the_bookkeeping_instead_of_tracing_it(qwen3, bookkeeping_dir, monkeypatch):
+    """The first process runs the bookkeeping eager while the compile worker traces and saves it, then loads what the
+    worker saved; a later process loads it (one damaged file traced again); tokens and records as eager."""
     eager = [_decode(qwen3, lengths, False, monkeypatch) for lengths in SHAPES]
-    first = _decode(qwen3, SHAPES[0], True, monkeypatch)  # traced ahead of time and saved
-    assert all(torch.equal(a, b) for a, b in zip(first, eager[0]))
-    assert sorted(path.name.split("-")[0] for path in bookkeeping_dir.glob("*.bin")) == sorted(PHASES)
-
-    next(bookkeeping_dir.glob("stored-*.bin")).write_bytes(b"damaged")
-    _new_process()
     compiled = []
     trace = ahead_of_time.AheadOfTime._compile
     monkeypatch.setattr(ahead_of_time.AheadOfTime, "_compile",
                         lambda self, args, kwargs: compiled.append(self.name) or trace(self, args, kwargs))
+    ahead_of_time.use_directory(bookkeeping_dir.parent, in_worker=True)
+    landed = compile_worker.WORKER.landed
     frames = counters["frames"]["ok"]
+    first = _decode(qwen3, SHAPES[0], True, monkeypatch)  # eager here, the worker traces it
+    assert compile_worker.WORKER.settle(600)
+    assert compile_worker.WORKER.landed == landed + len(PHASES)
+    assert sorted(path.name.split("-")[0] for path in bookkeeping_dir.glob("*.bin")) == sorted(PHASES)
+    then = _decode(qwen3, SHAPES[0], True, monkeypatch)  # what the worker saved
+    assert compiled == [] and counters["frames"]["ok"] == frames  # nothing traced in this process
+    for got in (first, then):
+        assert all(torch.equal(a, b) for a, b in zip(got, eager[0]))
+
+    ahead_of_time.use_directory(bookkeeping_dir.parent)
+    next(bookkeeping_dir.glob("stored-*.bin")).write_bytes(b"damaged")
+    _new_process()
     with pytest.warns(UserWarning, match="not loadable"):
         later = [_decode(qwen3, lengths, True, monkeypatch) for lengths in SHAPES]
     assert compiled == ["stored"]  # the damaged one; the others loaded, and both shapes ran on one variant each

@@ -7,12 +7,14 @@ it again in every process (docs/benchmarks.md, "Eval loops").
 An artifact keeps the guards torch can serialize (tensors' dtypes, devices, ranks and size relations, plain values,
 classes) and drops the others: object identities (a strategy's function, the forward installed on a module) and every
 guard on a global. The caller's key, in the file name, carries what the dropped identities would have checked; this
-module adds the library's source and the environment (torch, triton, transformers, GPU), and a loaded artifact runs
-only while every module whose code it inlined reads as it did when traced (an edited install). A call whose inputs
-fail every variant's guards compiles one more. Anything failing here (a trace torch cannot capture whole or
-serialize) warns once and the caller goes back to torch.compile, as it always does on a torch without `aot_compile`
-(before 2.11) and inside a trace of its own; an unreadable or damaged file is removed with a warning (docs/kernels.md,
-"Kernels and backends")."""
+module adds the library's source and the environment (torch, triton, transformers, GPU), and a loaded artifact runs only
+while every module whose code it inlined reads as it did when traced (an edited install). A call whose inputs fail every
+variant's guards compiles one more. With the compile worker on (`use_directory(..., in_worker=True)`,
+`compile_cache.load`'s default), the first variant of a function that allows it is compiled there, and the caller runs
+the function eager until it lands (`EAGER`; fusion/compile_worker.py). Anything failing here (a trace torch cannot
+capture whole or serialize) warns once and the caller goes back to torch.compile, as it always does on a torch without
+`aot_compile` (before 2.11) and inside a trace of its own; an unreadable or damaged file is removed with a warning
+(docs/kernels.md, "Kernels and backends")."""
 
 from __future__ import annotations
 
@@ -31,20 +33,25 @@ from unittest import mock
 
 import torch
 
+from .compile_worker import WORKER, Job, config_values, global_state, pickle_inputs
 from .compiling import compile_settings, digest, environment, keep_newest, write_whole
 
 MAX_FILES = 64  # artifacts kept in each folder, newest first (a few hundred KB each)
 # torch's aot_compile (experimental; 2.11 and later, behind `enable_aot_compile` in 2.11), checked with torch 2.11 on
 # the GPU and the CPU and with 2.13 on the CPU (tests/test_precompiled_bookkeeping.py, tests/test_compiled_regions.py)
 AVAILABLE = hasattr(torch._dynamo.config, "enable_aot_compile") and hasattr(torch.compiler, "load_compiled_function")
+EAGER = "eager"  # `variant`'s answer while the compile worker compiles it: run the function as it is
 _directory: Path | None = None
+_in_worker = False  # whether functions that allow it compile in the compile worker (`use_directory`)
 _TRACING = threading.Lock()  # one trace at a time in the process: it patches torch's pickler (`_set_forwards_pickled`)
 
 
-def use_directory(path: str | Path | None) -> None:
-    """Save and load artifacts in `path` from now on, for the whole process (None: stop)."""
-    global _directory
-    _directory = None if path is None else Path(path)
+def use_directory(path: str | Path | None, in_worker: bool = False) -> None:
+    """Save and load artifacts in `path` from now on, for the whole process (None: stop); `in_worker`: a function
+    that allows it (`AheadOfTime(in_worker=True)`) runs eager while the compile worker compiles it, instead of its
+    caller waiting for the compile (fusion/compile_worker.py)."""
+    global _directory, _in_worker
+    _directory, _in_worker = None if path is None else Path(path), in_worker and path is not None
 
 
 @functools.cache
@@ -52,6 +59,10 @@ def _source() -> str:
     """A digest of the library's Python source: another version's artifacts are traced anew."""
     root = Path(__file__).resolve().parents[1]
     return digest([path.read_text() for path in sorted(root.rglob("*.py"))])
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _no_tensor_work(error: Exception) -> bool:
@@ -98,18 +109,21 @@ def _same_sources(compiled) -> bool:
 
 class AheadOfTime:
     """`function` through `aot_compile`, its variants by key, loaded from or saved to the directory's `folder`;
-    `f_globals`: the globals its loaded code runs with (its module's)."""
+    `f_globals`: the globals its loaded code runs with (its module's); `in_worker`: whether callers may run it eager
+    while the compile worker compiles it."""
 
-    def __init__(self, name: str, function: Callable, folder: str, f_globals: dict):
+    def __init__(self, name: str, function: Callable, folder: str, f_globals: dict, in_worker: bool = False):
         self.name, self.function, self.folder, self.f_globals = name, function, folder, f_globals
+        self.in_worker = in_worker
+        self.sent: dict = {}  # (folder, file key) -> the compile worker's ticket for its first variant (None: used)
         self.failed: set[str] = set()  # the callers' keys that went back to torch.compile
         self.variants: dict[tuple[Path, str], list] = {}  # (folder, file key) -> variants
         self.file_keys: dict[str, str] = {}  # caller's key -> file key
         self.lock = threading.Lock()
 
     def variant(self, key: str, args: tuple, kwargs: dict):
-        """The compiled function for these inputs under the caller's `key`, or None where no directory is named or
-        this path failed (the caller then runs torch.compile)."""
+        """The compiled function for these inputs under the caller's `key`; EAGER while the compile worker compiles
+        it; None where no directory is named or this path failed (the caller then runs torch.compile)."""
         if _directory is None or key in self.failed or not AVAILABLE or torch.compiler.is_compiling():
             return None
         directory = _directory / self.folder
@@ -136,11 +150,42 @@ class AheadOfTime:
         for compiled in known:
             if compiled.guard_check(*args, **kwargs):
                 return compiled
+        if self.in_worker and _in_worker:
+            compiled = self._from_worker(directory, key, args, kwargs)
+            if compiled is not None:
+                return compiled
         compiled = self._compile(args, kwargs)
         compiled.disable_guard_check()  # `_variant` checks the guards before each call, once
         known.append(compiled)
         self._save(compiled, directory, key)
         return compiled
+
+    def _from_worker(self, directory: Path, key: str, args: tuple, kwargs: dict):
+        """EAGER while the compile worker compiles this key's first variant; once it is done, the variant it saved,
+        or None: a job that failed (said once) or could not be sent, inputs its variant's guards refuse, a later
+        variant (each compiled in this process)."""
+        if (directory, key) not in self.sent:
+            try:
+                job = Job(f"{self.function.__module__}:{self.function.__qualname__}", self.name, str(directory), key,
+                          pickle_inputs(args, kwargs), config_values(), global_state())
+            except Exception as error:  # inputs the worker cannot get
+                self.sent[directory, key] = None
+                warnings.warn(f"{self.name}: its inputs cannot go to the compile worker ({type(error).__name__}: "
+                              f"{error}); it compiles in this process.")
+                return None
+            self.sent[directory, key] = WORKER.submit(job)
+        ticket = self.sent[directory, key]
+        if ticket is None:
+            return None
+        if not ticket.done or _capturing():  # its kernels first run (and autotune) in a real step, never in a capture
+            return EAGER
+        self.sent[directory, key] = None
+        if ticket.error is not None:
+            warnings.warn(f"{self.name} was not compiled by the compile worker ({ticket.error}); it compiles in "
+                          "this process.")
+            return None
+        known = self.variants[directory, key] = self._load(directory, key)
+        return next((compiled for compiled in known if compiled.guard_check(*args, **kwargs)), None)
 
     def _compile(self, args: tuple, kwargs: dict):
         """Traced whole, sizes as symbols (floats read as constants: aot_compile does not restart a trace that would
@@ -169,8 +214,9 @@ class AheadOfTime:
                 loaded.append(compiled)
         return loaded
 
-    def _save(self, compiled, directory: Path, key: str) -> None:
-        """Saved under a digest of its bytes, once they load back (a later process would fail on them otherwise)."""
+    def _save(self, compiled, directory: Path, key: str) -> bool:
+        """Saved under a digest of its bytes, once they load back (a later process would fail on them otherwise);
+        whether it was."""
         try:
             data = type(compiled).serialize(compiled).serialized_data  # not `save_compiled_function`: in place on 2.11
             if self._loaded(data) is None:
@@ -178,9 +224,11 @@ class AheadOfTime:
             directory.mkdir(parents=True, exist_ok=True)
             write_whole(directory / f"{self.name}-{key}-{hashlib.sha256(data).hexdigest()[:16]}.bin", data)
             keep_newest(directory, MAX_FILES)
+            return True
         except OSError as error:
             warnings.warn(f"compile cache {directory}: not writable ({error}); the next process traces "
                           f"{self.name} again.")
         except Exception as error:  # the variant still runs in this process
             warnings.warn(f"{self.name} compiled ahead of time does not load back ({type(error).__name__}: "
                           f"{error}); not saved, the next process traces it again.")
+        return False

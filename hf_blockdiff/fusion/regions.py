@@ -13,9 +13,12 @@ layer did. Other layers compile whole (`mode.compiled_forward`).
 
 Where the user names a compile cache, the regions of a one-GPU model are compiled ahead of time into its `regions/`
 (`fusion/ahead_of_time.py`), traced whole with rows and tokens as symbols, and a later process loads them instead of
-tracing them (docs/benchmarks.md, "Eval loops"). An artifact's key names what its dropped guards would have checked:
-the forward installed on each of the layer's modules (the fused forwards, the experts op) and the hooks that run. A
-region that cannot be traced whole there (stock experts) warns once and compiles in each process.
+tracing them (docs/benchmarks.md, "Eval loops"). With the compile worker on (`compile_cache.load`), a cold process runs
+them eager (the functions below, uncompiled) while the worker compiles them: its forwards until then round as eager
+torch ops do, not as inductor's fused kernels (bf16 tokens may differ at near-ties; fp32 agrees to rounding). An
+artifact's key names what its dropped guards would have checked: the forward installed on each of the layer's modules
+(the fused forwards, the experts op) and the hooks that run. A region that cannot be traced whole there (stock experts)
+warns once and compiles in each process.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import functools
 
 import torch
 
-from .ahead_of_time import AheadOfTime
+from .ahead_of_time import EAGER, AheadOfTime
 from .layers import (
     DECODER_LAYERS, attend, output_projection, query_key_value, rotates_in_cache_now, stock_with_cache, unhooked,
 )
@@ -66,14 +69,17 @@ def artifact_key(layer: torch.nn.Module) -> str:
                       for m in layer.modules()) + tuple(_name(hook) for table in hooks for hook in table.values()))
 
 
-AHEAD_OF_TIME = [AheadOfTime(region.__name__, region, "regions", globals()) for region in (before_attention,
-                                                                                            after_attention)]
+REGIONS = (before_attention, after_attention)
+AHEAD_OF_TIME = [AheadOfTime(region.__name__, region, "regions", globals(), in_worker=True) for region in REGIONS]
 
 
 def _loaded_first(ahead: AheadOfTime, compiled, key):
-    """The region as loaded from (or compiled ahead of time into) the compile cache, else as torch.compile runs it."""
+    """The region as loaded from (or compiled ahead of time into) the compile cache, else as torch.compile runs it;
+    eager while the compile worker compiles it."""
     def region(layer, *args):
         saved = ahead.variant(key(layer), (layer, *args), {})
+        if saved is EAGER:
+            return ahead.function(layer, *args)
         return (compiled if saved is None else saved)(layer, *args)
 
     return region

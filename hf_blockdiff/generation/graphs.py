@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from ..cache import PagedBlockCache
+from ..fusion.compile_worker import WORKER
 from ..kernels.compile_ahead import can_compile_ahead, compiling_ahead
 from .step import DecodeStep
 
@@ -114,10 +115,16 @@ class StepGraphs:
         small = bound is not None and state.num_rows * bound * scheduler.chunk <= SMALL_FORWARD_TOKENS
         self.chain_capacity = state.num_rows * bound if small else None
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.landed = WORKER.landed  # the compile worker's finished jobs when these graphs were captured
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def step(self) -> None:
-        """One replay: a chain of steps at the bound, or one step in the bucket of its chunk count."""
+        """One replay: a chain of steps at the bound, or one step in the bucket of its chunk count. Graphs captured
+        before the compile worker finished a job hold what ran eager until then: they are captured again."""
+        if self.landed != WORKER.landed:
+            self.landed = WORKER.landed
+            self.graphs.clear()  # and their pool, which a capture must not reuse once no graph holds it
+            self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         if self.chain_capacity is not None:
             capacity, steps = self.chain_capacity, CHAIN_STEPS
         else:

@@ -5,7 +5,10 @@ first call at batch 32 with warm caches; docs/benchmarks.md, "Eval loops").
 
 The guards an artifact drops (object identities, e.g. the strategy's function) are in its key: the decode config,
 whether rows sample by their own settings and the window policy, so one config's bookkeeping never runs another's.
-Sizes are symbols, as with torch.compile, so engines of other shapes reuse it."""
+Sizes are symbols, as with torch.compile, so engines of other shapes reuse it. Its compiled code decides bit for bit
+what its eager code decides (tests/test_compiled_bookkeeping.py, and tests/test_gpu.py on CUDA), so with the compile
+worker on (`compile_cache.load`) a cold process runs it eager until the worker's artifact lands
+(`fusion/compile_worker.py`)."""
 
 from __future__ import annotations
 
@@ -22,11 +25,12 @@ class PrecompiledPhase:
 
     def __init__(self, name: str):
         self.compiled = AheadOfTime(name, getattr(Scheduler, name), "bookkeeping",
-                                    vars(sys.modules[Scheduler.__module__]))
+                                    vars(sys.modules[Scheduler.__module__]), in_worker=True)
         self.keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> its config's digest
 
     def variant(self, scheduler: Scheduler, *args, **kwargs):
-        """The compiled function for this call's inputs, or None (the caller then runs torch.compile)."""
+        """The compiled function for this call's inputs, EAGER while the compile worker compiles it, or None (the
+        caller then runs torch.compile)."""
         return self.compiled.variant(self._key(scheduler), (scheduler, *args), kwargs)
 
     def _key(self, scheduler: Scheduler) -> str:

@@ -22,6 +22,7 @@ import functools
 
 import torch
 
+from ..fusion.ahead_of_time import EAGER
 from ..fusion.compiling import compile_settings
 from ..scheduler import Decision, ForwardLayout, Scheduler, Stored
 from ..scheduler.settings import SlotSettings
@@ -39,13 +40,17 @@ def compiled_phase(name: str):
     configuration runs eager, with dynamo's warning and `hf-blockdiff bench`'s report). Its sizes (slots, canvas
     width, blocks) are traced as symbols, each its own (`compile_settings`: slots equal to the block size by chance
     would tie them), so an engine of another shape reuses the compiled phases instead of recompiling them. Where a
-    compile cache is named, compiled ahead of time and kept there (`precompiled.py`)."""
-    compiled = torch.compile(getattr(Scheduler, name), dynamic=True)
+    compile cache is named, compiled ahead of time and kept there (`precompiled.py`), or eager while the compile
+    worker compiles it (`fusion/compile_worker.py`)."""
+    eager = getattr(Scheduler, name)
+    compiled = torch.compile(eager, dynamic=True)
     ahead = PrecompiledPhase(name)
 
-    @functools.wraps(getattr(Scheduler, name))
+    @functools.wraps(eager)
     def phase(*args, **kwargs):
         saved = ahead.variant(*args, **kwargs)
+        if saved is EAGER:
+            return eager(*args, **kwargs)
         if saved is not None:
             return saved(*args, **kwargs)
         with compile_settings():

@@ -26,6 +26,7 @@ import torch
 
 from ..config import BlockDiffusionConfig
 from ..fusion import ahead_of_time
+from ..fusion.compile_worker import WORKER
 from ..fusion.compiling import digest, environment, keep_newest, write_whole
 from ..patching import free_cache
 from ..weights.tensor_parallel import tensor_parallel_size
@@ -44,13 +45,15 @@ def cache_file(model, directory: str | os.PathLike) -> Path:
     return Path(directory) / f"{model_key(model)}-{digest(environment())}.bin"
 
 
-def load(model, directory: str | os.PathLike) -> bool:
+def load(model, directory: str | os.PathLike, background: bool = True) -> bool:
     """Load the artifacts saved for this model and environment into torch's caches, and point Triton's cache and
     the artifacts compiled ahead of time into the directory; False (with a warning where the directory says why)
-    when there are none."""
+    when there are none. `background`: the step's bookkeeping, where the directory lacks it, runs eager while a
+    process beside this one compiles it into the directory (`fusion/compile_worker.py`; `settle` waits for it),
+    instead of the first call waiting for the compile (docs/benchmarks.md, "Eval loops")."""
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(directory).resolve() / "triton"))
     _ptxas_of_inductors_workers()
-    ahead_of_time.use_directory(directory)
+    ahead_of_time.use_directory(directory, in_worker=background)
     path = cache_file(model, directory)
     try:
         data = path.read_bytes()
@@ -69,6 +72,12 @@ def load(model, directory: str | os.PathLike) -> bool:
                       "first call compiles.")
         return False
     return True
+
+
+def settle(timeout: float = 900.0) -> bool:
+    """Wait until the compile worker has compiled what `load(..., background=True)` left to it, at most `timeout`
+    seconds; whether it has (the calls after it run the compiled code)."""
+    return WORKER.settle(timeout)
 
 
 def _ptxas_of_inductors_workers() -> None:
@@ -140,7 +149,7 @@ def warmup(model, directory: str | os.PathLike, batch_sizes=(1, 32, 128), prompt
     artifacts to `directory`."""
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes={batch_sizes!r}: pass positive integers (e.g. (1, 32, 128)).")
-    load(model, directory)
+    load(model, directory, background=False)
     config = config if config is not None else BlockDiffusionConfig(max_new_tokens=64, eos_token_id=[])
     text = model.config.get_text_config()
     top = min(text.vocab_size, getattr(text, "mask_token_id", None) or text.vocab_size) - 1
