@@ -206,10 +206,10 @@ def bench(args) -> dict:
 
 
 def _background_compile(landed: int, run, device: str, tokens: int, rows: int) -> dict:
-    """After a first call that ran the step's bookkeeping eager while the compile worker compiled it
-    (`compile_cache.load`): the jobs the worker finished, the seconds waited for it after that call, and the next
-    call, which captures the step's graphs again with the compiled code, so the warm call times the compiled step
-    (run at every rank of a launch, jobs or not: its collectives need every rank)."""
+    """After a first call that ran the step's bookkeeping and the layers' regions eager while the compile worker
+    compiled them (`compile_cache.load`): the jobs the worker finished, the seconds waited for it after that call,
+    and the next call, which captures the step's graphs again with the compiled code, so the warm call times the
+    compiled step (run at every rank of a launch, jobs or not: its collectives need every rank)."""
     started = time.perf_counter()
     settled = compile_cache.settle()
     waited = time.perf_counter() - started
@@ -342,8 +342,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--skip-reference", action="store_true", help="time hf_blockdiff only (default: off)")
     parser.add_argument("--compile-cache", metavar="DIR", help="load torch.compile's artifacts of this model from DIR "
                         "before the first call and save them after (`hf-blockdiff warmup`; default: none); what DIR "
-                        "lacks of the step's bookkeeping runs eager while a worker process compiles it, and the "
-                        "report's background_compile says when it was done")
+                        "lacks of the step's bookkeeping and the layers' regions runs eager while a worker process "
+                        "compiles it, and the report's background_compile says when it was done")
     parser.add_argument("--kernels", action="store_true",
                         help="run the kernel microbenchmarks instead (default: off)")
     parser.add_argument("--flex", action="store_true",
