@@ -9,6 +9,7 @@ import importlib
 import io
 import os
 import pickle
+import pkgutil
 import select
 import sys
 import warnings
@@ -63,10 +64,7 @@ def _set_global_state(state: dict) -> None:
 
 def _run(job: Job) -> str | None:
     """Trace and save one job; why no artifact was saved, or None."""
-    module, qualname = job.function.split(":")
-    function = importlib.import_module(module)
-    for part in qualname.split("."):
-        function = getattr(function, part)
+    function = pkgutil.resolve_name(job.function)
     changes = {}
     for name, values in job.configs.items():
         config = importlib.import_module(name)

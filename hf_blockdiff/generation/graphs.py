@@ -114,17 +114,20 @@ class StepGraphs:
         bound = scheduler.chunk_bound()
         small = bound is not None and state.num_rows * bound * scheduler.chunk <= SMALL_FORWARD_TOKENS
         self.chain_capacity = state.num_rows * bound if small else None
+        self._forget_graphs()
+
+    def _forget_graphs(self) -> None:
+        """No graph captured yet, a pool of their own (a capture must not reuse one no graph holds any more), and the
+        compile worker's finished jobs as of now."""
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.landed = WORKER.landed  # the compile worker's finished jobs when these graphs were captured
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.landed = WORKER.landed
 
     def step(self) -> None:
         """One replay: a chain of steps at the bound, or one step in the bucket of its chunk count. Graphs captured
         before the compile worker finished a job hold what ran eager until then: they are captured again."""
         if self.landed != WORKER.landed:
-            self.landed = WORKER.landed
-            self.graphs.clear()  # and their pool, which a capture must not reuse once no graph holds it
-            self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+            self._forget_graphs()
         if self.chain_capacity is not None:
             capacity, steps = self.chain_capacity, CHAIN_STEPS
         else:
