@@ -19,9 +19,9 @@ def test_inputs_travel_as_what_a_trace_reads():
     holder = SimpleNamespace(view=base[2:10].view(2, 4), base=base, ints=torch.tensor([3, 1]), meta=on_meta,
                              weight=torch.nn.Parameter(torch.ones(2)), value=0.5,
                              frozen=torch.nn.Parameter(torch.ones(2), requires_grad=False))
-    (args, kwargs) = compile_server.unpickle_inputs(compile_worker.pickle_inputs((holder, 7), {"flag": True}))
+    args, kwargs, on_gpu = compile_server.unpickle_inputs(compile_worker.pickle_inputs((holder, 7), {"flag": True}))
     got = args[0]
-    assert args[1] == 7 and kwargs == {"flag": True} and got.value == 0.5
+    assert args[1] == 7 and kwargs == {"flag": True} and got.value == 0.5 and not on_gpu
     for name in ("view", "base", "ints", "meta", "weight", "frozen"):
         sent, arrived = getattr(holder, name), getattr(got, name)
         assert (type(arrived), arrived.shape, arrived.stride(), arrived.storage_offset(), arrived.dtype,
@@ -30,12 +30,19 @@ def test_inputs_travel_as_what_a_trace_reads():
                                                            sent.requires_grad), name
     assert torch.equal(got.view, holder.view) and torch.equal(got.ints, holder.ints)  # CPU values travel
     assert got.view.untyped_storage().data_ptr() == got.base.untyped_storage().data_ptr()  # views still alias
+    assert got.meta.device.type == "meta"
     with pytest.raises(TypeError, match="plain tensors"):
         compile_worker.pickle_inputs((torch.Tensor._make_subclass(_Marked, torch.ones(2)),), {})
 
 
 class _Marked(torch.Tensor):
     pass
+
+
+def test_a_first_run_that_fails_only_says_so():
+    x = torch.zeros(3)
+    assert compile_server._first_run(_double, (x,), {})
+    assert not compile_server._first_run(lambda x: x[torch.tensor([5])], (x,), {})  # out of range, as on zeros
 
 
 def _double(x):

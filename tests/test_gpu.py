@@ -2,6 +2,7 @@
 (with the compiled scheduler calls) give the tokens of the eager sdpa path; graphs are reused across calls and
 freed; bf16 4B-shape decoding agrees with sdpa until the decision margin is within bf16 noise."""
 
+import time
 import warnings
 
 import pytest
@@ -97,10 +98,19 @@ def test_compiled_bookkeeping_equals_eager_bookkeeping(mode, monkeypatch):
 def test_bookkeeping_and_regions_compiled_by_the_worker_under_cuda_graphs(tmp_path, monkeypatch):
     """A cold process with the compile worker on (fusion/compile_worker.py): its first call runs the layers' regions
     and the bookkeeping eager, in its captured graphs, while the worker compiles them; then the same engine captures
-    its graphs again with what the worker saved. Nothing is traced here; the tokens are the eager bookkeeping's, the
-    records too once compiled (eager regions round as eager ops do: fp32 records to 1e-5)."""
+    its graphs again with what the worker saved, whose kernels' configurations the worker chose at its first runs.
+    Nothing is traced or autotuned here; the tokens are the eager bookkeeping's, the records too once compiled (eager
+    regions round as eager ops do: fp32 records to 1e-5)."""
     if not ahead_of_time.AVAILABLE:
         pytest.skip(f"torch {torch.__version__} has no aot_compile: no compile worker")
+    running = compile_worker.WORKER.process
+    if running is not None:  # one started with another inductor cache (it inherits ours): gone before the first job
+        running.kill()
+        for _ in range(300):
+            if compile_worker.WORKER.process is not running:
+                break
+            time.sleep(0.1)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     model = tiny_model("qwen3").to(CUDA)
     prompts = random_prompts((9, 4, 6, 13, 5), seed=37)
     run = dict(attention_backend="triton", cuda_graphs=True, compile=True, attention="block_causal", block_size=8,
@@ -124,7 +134,9 @@ def test_bookkeeping_and_regions_compiled_by_the_worker_under_cuda_graphs(tmp_pa
         first = generate(model, prompts, **run)  # eager here, the worker traces
         engine = model._blockdiff_engine
         assert compile_worker.WORKER.settle(600)
+        chosen = set((tmp_path / "inductor").rglob("*.best_config"))  # by the worker's first runs
         then = generate(model, prompts, **run)  # the same engine: its graphs captured again
+        assert chosen and set((tmp_path / "inductor").rglob("*.best_config")) == chosen  # none autotuned here
         assert model._blockdiff_engine is engine
         free_cache(model)
         monkeypatch.setattr(engine_module, "DecodeStep", _eager_bookkeeping)

@@ -1,7 +1,7 @@
 """The compile worker's own loop (fusion/compile_worker.py): it reads a job, sets the decoding process's global
 state and compile configs, rebuilds the job's inputs as tensors of their shapes, traces the function ahead of time
-(`fusion/ahead_of_time.py`), saves the artifact into the compile cache and replies with why it saved nothing, or
-None."""
+(`fusion/ahead_of_time.py`), saves the artifact into the compile cache, runs it once on a GPU (`_first_run`) and
+replies with why it saved nothing, or None."""
 
 from __future__ import annotations
 
@@ -36,16 +36,35 @@ class _Unshapes(pickle.Unpickler):
     def persistent_load(self, pid):
         index, device, nbytes, values, dtype, size, stride, offset, parameter, requires_grad = pid
         storage = self.storages.get(index)
-        if storage is None:
+        if storage is None:  # zeros where no values came: a first run reads them (`_first_run`)
             data = (torch.frombuffer(bytearray(values), dtype=torch.uint8) if values else
-                    torch.empty(nbytes, dtype=torch.uint8, device=device))
+                    torch.zeros(nbytes, dtype=torch.uint8, device=device))
             storage = self.storages[index] = data.untyped_storage()
         tensor = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
         return torch.nn.Parameter(tensor, requires_grad) if parameter else tensor.requires_grad_(requires_grad)
 
 
-def unpickle_inputs(data: bytes) -> tuple[tuple, dict]:
-    return _Unshapes(io.BytesIO(data)).load()
+def unpickle_inputs(data: bytes) -> tuple[tuple, dict, bool]:
+    """The job's args and kwargs, and whether any of them is on a GPU."""
+    unshapes = _Unshapes(io.BytesIO(data))
+    args, kwargs = unshapes.load()
+    return args, kwargs, any(storage.device.type == "cuda" for storage in unshapes.storages.values())
+
+
+def _first_run(compiled, args: tuple, kwargs: dict) -> bool:
+    """Run a saved artifact once, on its inputs (zeros where the decoding process sent no values). On a GPU inductor
+    autotunes a kernel at its first run and keeps the choice in its cache directory, which the decoding process
+    shares, so its own first run there (the call in which the jobs land) loads the choice instead of timing each
+    configuration (docs/benchmarks.md, "Eval loops"). Whether the CUDA context is still usable: a run that
+    fails, as a device-side assert on values no decoding gives would, costs only that, and ends the worker after its
+    reply (the next job starts another)."""
+    try:
+        compiled(*args, **kwargs)
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # where a device-side assert surfaces
+        return True
+    except Exception:  # the artifact is saved and sound; the decoding process autotunes at its first run instead
+        return False
 
 
 def _set_global_state(state: dict) -> None:
@@ -62,15 +81,16 @@ def _set_global_state(state: dict) -> None:
         raise RuntimeError(f"its global state cannot be set in the worker ({state['guard']} there, {mine} here)")
 
 
-def _run(job: Job) -> str | None:
-    """Trace and save one job; why no artifact was saved, or None."""
+def _run(job: Job) -> tuple[str | None, bool]:
+    """Trace, save and, on a GPU, first run one job: why no artifact was saved (or None), and whether the worker's
+    CUDA context is still usable (`_first_run`)."""
     function = pkgutil.resolve_name(job.function)
     changes = {}
     for name, values in job.configs.items():
         config = importlib.import_module(name)
         mine = config.save_config_portable()
         changes[name] = {key: value for key, value in values.items() if key in mine and mine[key] != value}
-    args, kwargs = unpickle_inputs(job.inputs)
+    args, kwargs, on_gpu = unpickle_inputs(job.inputs)
     ahead = AheadOfTime(job.name, function, Path(job.directory).name, vars(sys.modules[function.__module__]))
     with warnings.catch_warnings(record=True) as caught, ExitStack() as patches:
         warnings.simplefilter("always")
@@ -79,8 +99,10 @@ def _run(job: Job) -> str | None:
         _set_global_state(job.state)
         for name, values in changes.items():
             patches.enter_context(importlib.import_module(name).patch(values))
-        saved = ahead._save(ahead._compile(args, kwargs), Path(job.directory), job.key)
-    return None if saved else "; ".join(str(w.message) for w in caught) or "not saved"
+        compiled = ahead._compile(args, kwargs)
+        saved = ahead._save(compiled, Path(job.directory), job.key)
+        usable = not (saved and on_gpu) or _first_run(compiled, args, kwargs)
+    return (None if saved else "; ".join(str(w.message) for w in caught) or "not saved"), usable
 
 
 def serve() -> None:
@@ -97,12 +119,14 @@ def serve() -> None:
         except EOFError:
             return
         try:
-            error = _run(job)
+            error, usable = _run(job)
         except Exception as exception:  # the caller compiles in its own process and says why
-            error = f"{type(exception).__name__}: {exception}"
-        if torch.cuda.is_initialized():
+            error, usable = f"{type(exception).__name__}: {exception}", True
+        if usable and torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # the job's inputs (a layer's weights) go back to the device
         try:
             send(replies, (ticket_id, error))
         except OSError:  # the decoding process is gone: the artifact is saved for the next one
             pass
+        if not usable:  # exits as when idle: the decoding process sends what is pending to another worker
+            return
