@@ -169,8 +169,10 @@ class CanvasEngine:
             self.graph.replay()
         else:
             graphed = self.run.graphs and self.state.canvas.is_cuda
-            if graphed:
-                compile_ahead(self.denoise_step, self.state.canvas.device, self.cache, self.run.fusion)
+            # compiled layers compile at the first step here: running them as written inside the thrown-away
+            # capture (the decode step's way, generation/graphs.py) has not run on a GPU for the canvas
+            if graphed and self.run.fusion != "compile":
+                compile_ahead(self.denoise_step, self.state.canvas.device, self.cache)
             self.denoise_step()
             if graphed:
                 graph = torch.cuda.CUDAGraph()

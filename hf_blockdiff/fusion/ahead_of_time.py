@@ -27,6 +27,7 @@ import threading
 import traceback
 import warnings
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Callable
 from unittest import mock
@@ -44,6 +45,21 @@ EAGER = "eager"  # `variant`'s answer while the compile worker compiles it: run 
 _directory: Path | None = None
 _in_worker = False  # whether functions that allow it compile in the compile worker (`use_directory`)
 _TRACING = threading.Lock()  # one trace at a time in the process: it patches torch's pickler (`_set_forwards_pickled`)
+_AS_WRITTEN: ContextVar[bool] = ContextVar("hf_blockdiff_as_written", default=False)  # `running_as_written`
+
+
+@contextmanager
+def running_as_written():
+    """Every compiled function runs eager inside: torch.compile's (its `force_eager` stance) and this module's
+    artifacts (`variant` answers EAGER). For a program captured into a graph that is thrown away to compile its Triton
+    kernels ahead (generation/graphs.py, `compile_ahead`), where compiled code must not compile, nor run for the
+    first time: inductor's kernels autotune at their first run, which a capture forbids."""
+    token = _AS_WRITTEN.set(True)
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        _AS_WRITTEN.reset(token)
 
 
 def use_directory(path: str | Path | None, in_worker: bool = False) -> None:
@@ -123,7 +139,10 @@ class AheadOfTime:
 
     def variant(self, key: str, args: tuple, kwargs: dict):
         """The compiled function for these inputs under the caller's `key`; EAGER while the compile worker compiles
-        it; None where no directory is named or this path failed (the caller then runs torch.compile)."""
+        it and inside `running_as_written`; None where no directory is named or this path failed (the caller then
+        runs torch.compile)."""
+        if _AS_WRITTEN.get():
+            return EAGER
         if _directory is None or key in self.failed or not AVAILABLE or torch.compiler.is_compiling():
             return None
         directory = _directory / self.folder

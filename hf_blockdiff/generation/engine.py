@@ -140,7 +140,7 @@ class Engine:
             store = PrefixStore(self.executor.cache, cfg.block_size, cfg.runtime.prefix_cache_tokens)
         self.pages = PageAssigner(self.executor.cache, slots, guided, self.scheduler.policy.prefills and not guided,
                                   store, cfg.logit_shift)
-        self.step = StepGraphs(self.decode_step, device.type == "cuda", fusion).step if graphs else self.decode_step
+        self.step = StepGraphs(self.decode_step, device.type == "cuda").step if graphs else self.decode_step
 
     @property
     def cache(self):

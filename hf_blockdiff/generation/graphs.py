@@ -8,8 +8,9 @@ window (single-block block-causal decoding) and the bound is a small forward, wh
 count, one graph chains `CHAIN_STEPS` steps at the bound with no host round trip between them. Off CUDA the same
 fixed-shape steps run eagerly, which is how the CPU tests check them against the exactly-sized step.
 
-Before the first step of a graphed engine whose layers are not torch.compile'd, `compile_ahead` compiles the step's
-Triton kernels in parallel (a cold process's first call: docs/benchmarks.md, "Cold start").
+Before the first step whose forward is the first of its size class in the process (`size_class`), `compile_ahead`
+compiles the step's Triton kernels in parallel: a cold process's first call (docs/benchmarks.md, "Cold start"), and
+a later call whose forwards fit the skinny GEMMs' tiles for the first time ("Eval loops").
 
 Every capture runs with Python's cyclic garbage collector paused (`capturing`): torch no longer collects before a
 capture (`torch.compiler.config.force_cudagraph_gc` is off by default), so a collection that happens to start inside
@@ -20,20 +21,37 @@ the capture fails with "operation failed due to a previous error during capture"
 from __future__ import annotations
 
 import gc
+import math
 import os
 import threading
+import warnings
 from contextlib import contextmanager
 from typing import Callable
 
 import torch
 
 from ..cache import PagedBlockCache
+from ..fusion.ahead_of_time import running_as_written
 from ..fusion.compile_worker import WORKER
 from ..kernels.compile_ahead import can_compile_ahead, compiling_ahead
+from ..kernels.skinny_gemm import MAX_ROWS
 from .step import DecodeStep
 
 CHAIN_STEPS = 8
 SMALL_FORWARD_TOKENS = 64  # up to here a forward reads the weights once however many tokens it holds
+
+
+_COMPILED_AHEAD: set[tuple] = set()  # (id of the model, size class) whose step compiled ahead
+
+
+def size_class(tokens: int) -> tuple[int, int]:
+    """What our Triton kernels specialize on of a forward's size: the skinny GEMMs' tile height (16, 32 or 64 rows:
+    kernels/skinny_gemm.py; one class above them), and its largest power-of-two divisor up to 16 (0 for one token),
+    which decides whether a row count derived from it (times heads, say) is a multiple of 16 or 1, the integers
+    Triton specializes on. A step of a class met before in the process finds its kernels compiled, so only a new
+    class compiles ahead: a thrown-away capture of every new bucket, compiled code running as written, took 0.3-0.5 s
+    of each call (docs/benchmarks.md, "Eval loops")."""
+    return min(1 << max(4, (tokens - 1).bit_length()), 2 * MAX_ROWS), math.gcd(tokens, 16) if tokens > 1 else 0
 
 
 def capacity_buckets(slots: int, most: int) -> list[int]:
@@ -85,29 +103,43 @@ def capturing(graph: torch.cuda.CUDAGraph, **kwargs):
         yield
 
 
-def compile_ahead(program: Callable[[], None], device: torch.device, cache: PagedBlockCache, fusion: str) -> None:
+def compile_ahead(program: Callable[[], None], device: torch.device, cache: PagedBlockCache) -> bool:
     """Compile the Triton kernels `program` launches, in parallel, without running it: inside
     `kernels.compile_ahead.compiling_ahead` it is captured into a graph that is thrown away, so nothing it enqueues
-    runs (its writes included). Only for programs a graph may capture. Skipped where capturing would compile (fusion
-    "compile": torch.compile'd layers compile, and autotune, at their first call), and unless every layer of `cache`
-    has its pools (one allocated inside the thrown-away graph would keep its zeros unwritten)."""
-    if fusion == "compile" or not (cache.fully_allocated and can_compile_ahead(device)):
-        return
-    with compiling_ahead(device):
-        graph = torch.cuda.CUDAGraph()
-        # relaxed: the program may meet an op for the first time here (the real capture comes after eager steps),
-        # whose lazy set-up (cuBLAS's, ...) makes calls a stricter capture refuses; this graph is never replayed
-        with capturing(graph, capture_error_mode="relaxed"):
-            program()
+    runs (its writes included). Only for programs a graph may capture. What is compiled runs as written there
+    (`running_as_written`: compiled layers and bookkeeping would compile, or autotune, inside the capture); our
+    kernels are launched with the arguments they get inside compiled code. Skipped unless every layer of `cache` has
+    its pools (one allocated inside the thrown-away graph would keep its zeros unwritten). Whether it ran. It only
+    ever saves time: a program that fails there is said once, and its kernels compile as they come."""
+    if not (cache.fully_allocated and can_compile_ahead(device)):
+        return False
+    try:
+        with compiling_ahead(device), running_as_written():
+            graph = torch.cuda.CUDAGraph()
+            # relaxed: the program may meet an op for the first time here (the real capture comes after eager
+            # steps), whose lazy set-up (cuBLAS's, ...) makes calls a stricter capture refuses; never replayed
+            with capturing(graph, capture_error_mode="relaxed"):
+                program()
+    except Exception as error:  # nothing ran: the real steps compile what they launch
+        warnings.warn(f"compiling a step's Triton kernels ahead failed ({type(error).__name__}: {error}); they "
+                      "compile one by one as the step first launches them.", stacklevel=2)
+    return True
+
+
+def compile_ahead_once(program: Callable[[], None], device: torch.device, cache: PagedBlockCache, model,
+                       tokens: int) -> None:
+    """`compile_ahead` for a step of `tokens` a forward, unless one of its size class (`size_class`) compiled ahead
+    on `model` before in this process."""
+    first = (id(model), size_class(tokens))
+    if first not in _COMPILED_AHEAD and compile_ahead(program, device, cache):
+        _COMPILED_AHEAD.add(first)
 
 
 class StepGraphs:
-    def __init__(self, step: DecodeStep, capture: bool, fusion: str = "none"):
-        """`fusion`: the layers' (`fusion.fusion_for`), which says whether the first capture may compile ahead."""
+    def __init__(self, step: DecodeStep, capture: bool):
         scheduler = step.scheduler
         state = scheduler.state
-        self.decode_step, self.scheduler, self.capture, self.fusion = step, scheduler, capture, fusion
-        self.ahead = capture  # until the first step: `compile_ahead`
+        self.decode_step, self.scheduler, self.capture = step, scheduler, capture
         self.logit_capacity = state.num_rows * scheduler.active_blocks * state.block_size
         most = state.num_rows * -(-(state.width + 1) // scheduler.chunk)
         self.buckets = capacity_buckets(state.num_rows, most)
@@ -138,10 +170,11 @@ class StepGraphs:
         if graph is not None:
             graph.replay()
             return
-        if self.ahead:
-            self.ahead = False
-            compile_ahead(lambda: self.decode_step(capacity, self.logit_capacity), self.scheduler.chunk_total.device,
-                          self.decode_step.executor.cache, self.fusion)
+        if self.capture:
+            executor = self.decode_step.executor
+            compile_ahead_once(lambda: self.decode_step(capacity, self.logit_capacity),
+                               self.scheduler.chunk_total.device, executor.cache, executor.model,
+                               capacity * self.scheduler.chunk)
         for _ in range(steps):  # real steps, which also warm this shape up
             self.decode_step(capacity, self.logit_capacity)
         if self.capture:
