@@ -26,7 +26,7 @@ from ..config import BlockDiffusionConfig
 from ..kernels.rmsnorm import rms_norm
 from ..kernels.skinny_gemm import MAX_ROWS
 from ..weights.quantization import compiles_well
-from ..weights.tensor_parallel import layer_stacks, tensor_parallel_size
+from ..weights.tensor_parallel import layer_stacks, per_layer_values, tensor_parallel_size
 from .compiling import compile_settings
 from .experts import fused_experts
 from .layers import fused_forwards, rotary_in_cache_attention_forward
@@ -104,10 +104,13 @@ LAYER_SHAPE = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num
 def profile_job(model) -> str:
     """The job id under which dynamo keeps its profile of the compiled layers' dimensions that turned dynamic
     (`compile_settings`): one per layer shape, so a process that compiled layers of other widths (another model of the
-    same layer class) never has this model's widths traced as symbols."""
+    same layer class) never has this model's widths traced as symbols. A field that varies by layer (DiffusionGemma's
+    KV heads) counts with its value in each layer."""
     text = model.config.get_text_config()
     shape = [type(text).__name__, str(next(model.parameters()).dtype), tensor_parallel_size(model)]
-    shape += [getattr(text, name, None) for name in LAYER_SHAPE]
+    for name in LAYER_SHAPE:
+        values = per_layer_values(text, name)
+        shape.append(values[0] if len(values) == 1 else tuple(values))
     return f"hf_blockdiff-{zlib.crc32(repr(shape).encode()):08x}"
 
 

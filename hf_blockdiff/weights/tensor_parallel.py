@@ -44,7 +44,7 @@ def check_tensor_parallel(model) -> None:
 def check_head_counts(config, size: int) -> None:
     """A ValueError naming the fix unless `size` processes split the (text) config's attention heads evenly."""
     text = config.get_text_config()
-    uneven = {name: n for name in HEAD_COUNTS for n in _values(text, name) if isinstance(n, int) and n % size}
+    uneven = {name: n for name in HEAD_COUNTS for n in per_layer_values(text, name) if isinstance(n, int) and n % size}
     if uneven:
         counts = ", ".join(f"{name}={n}" for name, n in uneven.items())
         raise ValueError(
@@ -55,7 +55,7 @@ def check_head_counts(config, size: int) -> None:
         )
 
 
-def _values(config, name: str) -> list:
+def per_layer_values(config, name: str) -> list:
     """`name`'s value in `config`, or its value in each layer where transformers keeps it per layer (a heterogeneous
     config, transformers >= 5.2x, refuses to read such an attribute globally)."""
     try:

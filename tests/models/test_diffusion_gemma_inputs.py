@@ -190,3 +190,17 @@ def test_nan_logits_stop_the_call_naming_prompt_step_and_canvas(device):
     finally:
         handle.remove()
     assert model.config._attn_implementation == implementation and not model.training
+
+
+def test_compiled_layers_enter_decoding_with_per_layer_kv_heads():
+    """DiffusionGemma's KV heads vary by layer, which transformers' heterogeneous config refuses to read globally:
+    compiled layers key dynamo's profile of their dimensions with the value of each layer instead of raising
+    (`fusion.mode.profile_job`; a compiled call raised AmbiguousGlobalPerLayerAttributeError on entering)."""
+    from hf_blockdiff.fusion import mode
+
+    model = tiny_diffusion_gemma("single_expert")
+    kv_heads = [layer.num_key_value_heads for layer in model.config.get_text_config().per_layer_config]
+    assert len(set(kv_heads)) > 1  # the case: a per-layer field
+    job = mode.profile_job(model)
+    with mode.decoding_mode(model, "compile"):
+        assert mode.profile_job(model) == job and job.startswith("hf_blockdiff-")
