@@ -204,6 +204,7 @@ def test_compiling_ahead_steps_down_at_loading(monkeypatch):
 
 COMPILE = r"""
 import json
+from concurrent.futures import ThreadPoolExecutor
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from hf_blockdiff.kernels import moe_experts, paged_attention, skinny_gemm
@@ -218,27 +219,29 @@ def allocated(fn, types, constants, config):
     options = {"num_warps": config.get("num_warps", 4), "num_stages": config["num_stages"]}
     return compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
 
-out = []
+jobs = []  # (name, estimate, kernel, types, constants, config), compiled two at a time (ptxas is a process)
 skinny = {n: "*bf16" for n in skinny_gemm._skinny_kernel.arg_names[:11]}
 for n_out, width, gated, block_m in ((6144, 4096, False, 16), (6144, 4096, False, 32), (6144, 4096, False, 64),
                                      (24576, 4096, True, 64), (4096, 12288, False, 16)):
     config = skinny_gemm._configs(n_out, width, gated, block_m, 2, H100)[0]
     constants = dict(HAS_BIAS=False, GATED=gated, IEEE=False, GDC=True, HAS_RESIDUAL=not gated, BLOCK_M=block_m)
-    out.append((f"skinny {n_out}x{width} rows {block_m}", skinny_gemm._shared_bytes(config, block_m, gated, 2),
-                allocated(skinny_gemm._skinny_kernel, skinny, constants, config)))
+    jobs.append((f"skinny {n_out}x{width} rows {block_m}", skinny_gemm._shared_bytes(config, block_m, gated, 2),
+                 skinny_gemm._skinny_kernel, skinny, constants, config))
 config = moe_experts._configs(64, True, True, 2, H100)[0]
 experts = {"x_ptr": "*bf16", "order_ptr": "*i32", "offsets_ptr": "*i32", "w_ptr": "*bf16", "y_ptr": "*bf16"}
-out.append(("moe experts", moe_experts._shared_bytes(config, True, 2),
-            allocated(moe_experts._experts_kernel, experts, dict(ACT=1, IEEE=False), config)))
+jobs.append(("moe experts", moe_experts._shared_bytes(config, True, 2), moe_experts._experts_kernel, experts,
+             dict(ACT=1, IEEE=False), config))
 attention = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "part_o_ptr": "*fp32",
              "part_ml_ptr": "*fp32", "pt_ptr": "*i32", "lim_ptr": "*i32", "start_ptr": "*i32", "qk_scale": "fp32"}
 for head_dim, wide in ((128, False), (256, True)):
     config = paged_attention._configs(128, 2 * head_dim, wide, 1, H100)[0]
     constants = dict(GROUP=4, PAGE_SIZE=64, HEAD_DIM=head_dim, BLOCK_D=head_dim, SPLIT=False, DOT_PRECISION="tf32",
                      HAS_START=True, GDC=True)
-    out.append((f"attention {head_dim}", paged_attention._shared_bytes(config, 2 * head_dim),
-                allocated(paged_attention._paged_attention_kernel, attention, constants, config)))
-print(json.dumps(out))
+    jobs.append((f"attention {head_dim}", paged_attention._shared_bytes(config, 2 * head_dim),
+                 paged_attention._paged_attention_kernel, attention, constants, config))
+with ThreadPoolExecutor(2) as pool:
+    shared = list(pool.map(lambda job: allocated(*job[2:]), jobs))
+print(json.dumps([(name, estimate, used) for (name, estimate, *_), used in zip(jobs, shared)]))
 """
 
 
