@@ -25,6 +25,7 @@ import math
 import os
 import threading
 import warnings
+import weakref
 from contextlib import contextmanager
 from typing import Callable
 
@@ -41,7 +42,8 @@ CHAIN_STEPS = 8
 SMALL_FORWARD_TOKENS = 64  # up to here a forward reads the weights once however many tokens it holds
 
 
-_COMPILED_AHEAD: set[tuple] = set()  # (id of the model, size class) whose step compiled ahead
+# model -> the size classes whose step compiled ahead on it, for as long as the model lives (an id could be reused)
+_COMPILED_AHEAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def size_class(tokens: int) -> tuple[int, int]:
@@ -130,9 +132,9 @@ def compile_ahead_once(program: Callable[[], None], device: torch.device, cache:
                        tokens: int) -> None:
     """`compile_ahead` for a step of `tokens` a forward, unless one of its size class (`size_class`) compiled ahead
     on `model` before in this process."""
-    first = (id(model), size_class(tokens))
-    if first not in _COMPILED_AHEAD and compile_ahead(program, device, cache):
-        _COMPILED_AHEAD.add(first)
+    done, size = _COMPILED_AHEAD.setdefault(model, set()), size_class(tokens)
+    if size not in done and compile_ahead(program, device, cache):
+        done.add(size)
 
 
 class StepGraphs:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -93,8 +94,8 @@ def test_each_size_class_compiles_ahead_once_per_model(monkeypatch):
     new to the model in the process; one whose compile ahead did not run (pools not yet allocated) tries again."""
     ran, runs = [], itertools.chain([False], itertools.repeat(True))
     monkeypatch.setattr(graphs, "compile_ahead", lambda program, device, cache: ran.append(program) or next(runs))
-    monkeypatch.setattr(graphs, "_COMPILED_AHEAD", set())
-    first, second = object(), object()
+    monkeypatch.setattr(graphs, "_COMPILED_AHEAD", weakref.WeakKeyDictionary())
+    first, second = torch.nn.Module(), torch.nn.Module()
     for model, tokens in [(first, 128), (first, 128), (first, 96), (first, 120), (first, 64), (first, 40),
                           (first, 4), (first, 8), (first, 1), (second, 128)]:
         graphs.compile_ahead_once((model, tokens), torch.device("cuda"), None, model, tokens)
