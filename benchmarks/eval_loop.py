@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=8)
     parser.add_argument("--denoising-steps", type=int, default=16)
     parser.add_argument("--compile-cache", metavar="DIR", help="compile_cache.load(model, DIR) before the first call "
-                        "(default: none)")
+                        "and compile_cache.save(model, DIR) after the last (default: none)")
     args = parser.parse_args(argv)
     shapes, batches, new, low, high = DEFAULTS[args.device]
     args.shapes = args.shapes or shapes
@@ -115,7 +115,9 @@ def run_family(spec: str, args, since) -> list[dict]:
     device = args.device
     model, config = build(spec, device)
     if args.compile_cache:
+        start = time.perf_counter()
         compile_cache.load(model, args.compile_cache)
+        print(f"{spec}: compile_cache.load {time.perf_counter() - start:.2f} s", flush=True)
     top = prompt_ceiling(model)
     generator = torch.Generator().manual_seed(0)
     since()  # what building compiled is not the loop's
@@ -134,6 +136,9 @@ def run_family(spec: str, args, since) -> list[dict]:
         rows.append(dict(family=spec, call=call + 1, batch=batch, longest=int(lengths.max()), new_tokens=new,
                          seconds=round(seconds, 3), frames=frames, graphs=graphs, recompiles=reasons))
         print(json.dumps(rows[-1]), flush=True)
+    if args.compile_cache:  # as the eval callback does: what the loop used loads before the next process's first call
+        compile_cache.settle()
+        compile_cache.save(model, args.compile_cache)
     free_cache(model)
     del model
     gc.collect()

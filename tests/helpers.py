@@ -34,13 +34,16 @@ def tiny_model(family: str = "qwen3", seed: int = 0, **config):
 
 def forget_compiled_regions():
     """What a new process holds of the compiled layers' regions (`fusion/regions.py`, module-level and shared by every
-    model): no variant loaded or traced, no failure; a compile cache's directory stays."""
-    from hf_blockdiff.fusion import regions
+    model) and of the artifacts compiled ahead of time (`fusion/ahead_of_time.py`): no variant loaded, preloaded or
+    traced, none looked up, no failure; a compile cache's directory stays."""
+    from hf_blockdiff.fusion import ahead_of_time, regions
 
     for region in regions.AHEAD_OF_TIME:
         region.variants.clear()
         region.sent.clear()
         region.failed.clear()
+    ahead_of_time._USED.clear()
+    ahead_of_time._PRELOADED.clear()
 
 
 def random_prompts(lengths, seed=0):

@@ -80,6 +80,29 @@ def test_a_damaged_file_or_a_directory_that_is_not_one_warns(model, compiled, tm
     assert compile_cache.load(model, tmp_path / "missing") is False  # nothing there yet: no warning
 
 
+def test_a_list_of_artifacts_used_that_is_damaged_or_foreign_loads_nothing(model, compiled, tmp_path):
+    """`load` reads the artifacts compiled ahead of time that the last process looked up (`used_file`): a damaged
+    list, or an entry that names another package's module or a path out of its folder, warns and loads nothing (no
+    file read, removed or imported); a `used/` that cannot be written still saves torch's artifacts."""
+    listed = compile_cache.used_file(model, tmp_path / "cache")
+    listed.parent.mkdir(parents=True)
+    outside = tmp_path / "plan-0123456789abcdef-0.bin"
+    outside.write_bytes(b"would be unpickled, then removed as damaged")
+    entry = {"folder": "bookkeeping", "name": "plan", "key": "0123456789abcdef", "module": "hf_blockdiff.scheduler"}
+    foreign = [{**entry, "module": "os"}, {**entry, "folder": ".."}, {**entry, "name": "../../plan"},
+               {**entry, "key": "*"}, {**entry, "extra": ""}]
+    for damaged in ["{not json", json.dumps({"folder": "bookkeeping"}), *(json.dumps([e]) for e in foreign)]:
+        listed.write_text(damaged)
+        with pytest.warns(UserWarning, match="list of artifacts used cannot be read"):
+            compile_cache.load(model, tmp_path / "cache")
+    assert outside.exists()
+    listed.unlink()
+    listed.parent.rmdir()
+    listed.parent.write_text("a file where the list's folder goes")
+    with pytest.warns(UserWarning, match="list of artifacts used is not writable"):
+        assert compile_cache.save(model, tmp_path / "cache") == compile_cache.cache_file(model, tmp_path / "cache")
+
+
 def test_the_directory_keeps_the_newest_files(model, compiled, tmp_path):
     for index in range(compile_cache.MAX_FILES + 4):
         old = tmp_path / f"old{index}.bin"

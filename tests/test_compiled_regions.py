@@ -54,7 +54,8 @@ def test_fused_layers_compile_as_two_whole_regions_and_decode_the_uncompiled_tok
                     "traced in each process (fusion/ahead_of_time.py)")
 def test_a_later_process_loads_the_regions_instead_of_tracing_them(qwen3, tmp_path, monkeypatch, recwarn):
     """The first process runs the regions eager while the compile worker traces them whole and saves them, then loads
-    what it saved (one variant each, prefill and steps alike); a later process loads them too."""
+    what it saved (one variant each, prefill and steps alike); a later process loads them too, before its first call
+    where the last one listed them."""
     uncompiled = _decode(qwen3, False)
     ahead_of_time.use_directory(tmp_path, in_worker=True)  # conftest names no directory after the test
     compiled, trace = [], ahead_of_time.AheadOfTime._compile
@@ -70,12 +71,19 @@ def test_a_later_process_loads_the_regions_instead_of_tracing_them(qwen3, tmp_pa
         then = _decode(qwen3, True)  # what the worker saved
         _new_process()
         later = _decode(qwen3, True)
+        ahead_of_time.save_used(tmp_path, tmp_path / "used.json")  # `compile_cache.save`'s list
+        _new_process()
+        ahead_of_time.preload(tmp_path / "used.json")  # as `compile_cache.load` does: the next call reads no file
+        loads, load = [], ahead_of_time._load
+        monkeypatch.setattr(ahead_of_time, "_load", lambda *args: loads.append(args[1]) or load(*args))
+        preloaded = _decode(qwen3, True)
     finally:
         _new_process()
     assert compiled == [] and counters["frames"]["ok"] == frames  # neither aot_compile nor torch.compile here
     assert not [w for w in recwarn if "ahead of time" in str(w.message) or "compile cache" in str(w.message)
                 or "compile worker" in str(w.message)]
-    for tokens in (first, then, later):
+    assert loads == []
+    for tokens in (first, then, later, preloaded):
         assert torch.equal(tokens, uncompiled)
 
 

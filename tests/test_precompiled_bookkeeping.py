@@ -2,6 +2,8 @@
 process loads it instead of tracing it, for engines of other shapes too, and decodes what the eager bookkeeping
 decodes; a damaged file is compiled again, and another config's artifacts never run."""
 
+import json
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -12,9 +14,10 @@ from hf_blockdiff.fusion import ahead_of_time, compile_worker
 from hf_blockdiff.generation import precompiled
 from hf_blockdiff.generation import step as step_module
 from hf_blockdiff.generation.step import PHASES, DecodeStep
+from hf_blockdiff.integrations import compile_cache
 from hf_blockdiff.scheduler import Scheduler
 
-from helpers import MASK, left_pad, random_prompts
+from helpers import MASK, forget_compiled_regions, left_pad, random_prompts
 
 # per-position temperatures: the bookkeeping does float arithmetic, and reads floats of the config
 CFG = dict(mask_token_id=MASK, block_size=8, max_new_tokens=16, threshold=0.6, eos_token_id=[],
@@ -35,6 +38,7 @@ def _new_process():
     """What a new process has: nothing compiled in memory (the directory stays)."""
     step_module.compiled_phase.cache_clear()
     torch._dynamo.reset()
+    forget_compiled_regions()
 
 
 pytestmark = pytest.mark.skipif(not ahead_of_time.AVAILABLE, reason="torch before 2.11 traces the bookkeeping in each "
@@ -51,7 +55,8 @@ def bookkeeping_dir(tmp_path):
 
 def test_a_later_process_loads_the_bookkeeping_instead_of_tracing_it(qwen3, bookkeeping_dir, monkeypatch):
     """The first process runs the bookkeeping eager while the compile worker traces and saves it, then loads what the
-    worker saved; a later process loads it (one damaged file traced again); tokens and records as eager."""
+    worker saved; a later process loads it (one damaged file traced again), and one that loads the compile cache has
+    it in memory before its first call; tokens and records as eager."""
     eager = [_decode(qwen3, lengths, False, monkeypatch) for lengths in SHAPES]
     compiled = []
     trace = ahead_of_time.AheadOfTime._compile
@@ -78,6 +83,21 @@ def test_a_later_process_loads_the_bookkeeping_instead_of_tracing_it(qwen3, book
     assert counters["frames"]["ok"] == frames  # no torch.compile trace either
     for got, expected in zip(later, eager):
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+    # `compile_cache.save` lists the artifacts the process used, and `load` in the next process loads them: its first
+    # call reads no file
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(bookkeeping_dir.parent / "triton"))  # `load` sets it process-wide
+    compile_cache.save(qwen3, bookkeeping_dir.parent)
+    _new_process()
+    compile_cache.load(qwen3, bookkeeping_dir.parent, background=False)
+    files = []
+    load = ahead_of_time._load
+    monkeypatch.setattr(ahead_of_time, "_load", lambda *args: files.append(args[1]) or load(*args))
+    preloaded = _decode(qwen3, SHAPES[0], True, monkeypatch)
+    assert files == [] and not ahead_of_time._PRELOADED and compiled == ["stored"]
+    assert all(torch.equal(a, b) for a, b in zip(preloaded, eager[0]))
+    listed = json.loads(compile_cache.used_file(qwen3, bookkeeping_dir.parent).read_text())
+    assert sorted(entry["name"] for entry in listed) == sorted(PHASES)
 
 
 def test_another_config_or_sampling_is_another_artifact():

@@ -11,10 +11,11 @@ module adds the library's source and the environment (torch, triton, transformer
 while every module whose code it inlined reads as it did when traced (an edited install). A call whose inputs fail every
 variant's guards compiles one more. With the compile worker on (`use_directory(..., in_worker=True)`,
 `compile_cache.load`'s default), the first variant of a function that allows it is compiled there, and the caller runs
-the function eager until it lands (`EAGER`; fusion/compile_worker.py). Anything failing here (a trace torch cannot
-capture whole or serialize) warns once and the caller goes back to torch.compile, as it always does on a torch without
-`aot_compile` (before 2.11) and inside a trace of its own; an unreadable or damaged file is removed with a warning
-(docs/kernels.md, "Kernels and backends")."""
+the function eager until it lands (`EAGER`; fusion/compile_worker.py). `compile_cache.save` lists the keys a process
+looked up (`save_used`), and `compile_cache.load` loads their artifacts before the next process's first call
+(`preload`). Anything failing here (a trace torch cannot capture whole or serialize) warns once and the caller goes back
+to torch.compile, as it always does on a torch without `aot_compile` (before 2.11) and inside a trace of its own; an
+unreadable or damaged file is removed with a warning (docs/kernels.md, "Kernels and backends")."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import hashlib
 import importlib
 import inspect
 import io
+import json
+import re
 import threading
 import traceback
 import warnings
@@ -46,6 +49,11 @@ _directory: Path | None = None
 _in_worker = False  # whether functions that allow it compile in the compile worker (`use_directory`)
 _TRACING = threading.Lock()  # one trace at a time in the process: it patches torch's pickler (`_set_forwards_pickled`)
 _AS_WRITTEN: ContextVar[bool] = ContextVar("hf_blockdiff_as_written", default=False)  # `running_as_written`
+_LOCK = threading.Lock()  # `_USED` and `_PRELOADED`, between `preload`, `save_used` and the callers' lookups
+_USED: dict[tuple[Path, str, str], str] = {}  # (folder's path, name, file key) -> its globals' module: `save_used`
+_PRELOADED: dict[tuple[Path, str, str], tuple] = {}  # the same -> (module, variants): what `preload` loaded
+# an entry of `save_used`'s list: a folder of the directory, a function, its file key (`digest`) and one of our modules
+_ENTRY = {"folder": r"[a-z_]+", "name": r"[A-Za-z_]\w*", "key": r"[0-9a-f]{16}", "module": r"hf_blockdiff(\.\w+)+"}
 
 
 @contextmanager
@@ -68,6 +76,47 @@ def use_directory(path: str | Path | None, in_worker: bool = False) -> None:
     caller waiting for the compile (fusion/compile_worker.py)."""
     global _directory, _in_worker
     _directory, _in_worker = None if path is None else Path(path), in_worker and path is not None
+
+
+def save_used(directory: Path, path: Path) -> None:
+    """Write to `path` the artifacts this process looked up (loaded, compiled, or given to the compile worker; for
+    every model it decoded) whose files are in `directory`: what the next process loads before its first call
+    (`preload`)."""
+    with _LOCK:
+        looked_up = [(folder.name, name, key, module) for (folder, name, key), module in _USED.items()]
+    entries = [dict(zip(_ENTRY, entry)) for entry in dict.fromkeys(looked_up)
+               if any((directory / entry[0]).glob(f"{entry[1]}-{entry[2]}-*.bin"))]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_whole(path, json.dumps(entries).encode())
+    keep_newest(path.parent, MAX_FILES, "*.json")
+
+
+def preload(path: Path) -> int:
+    """Load the artifacts that `path` lists (`save_used` of an earlier process) from the directory now, so that the
+    first call running them finds them in memory instead of loading them (docs/benchmarks.md, "Eval loops"); how many
+    variants loaded. ValueError for a file that is not such a list: an entry names a folder of the directory, a
+    function, a key and one of our modules, nothing else."""
+    try:
+        entries = json.loads(path.read_text())
+    except FileNotFoundError:
+        return 0
+    if not isinstance(entries, list) or not all(map(_valid, entries)):
+        raise ValueError(f"{path} is not a list of artifacts")
+    count = 0
+    with _LOCK:
+        for entry in entries if _directory is not None else ():
+            folder, name, key, module = (entry[field] for field in _ENTRY)
+            known = (_directory / folder, name, key)
+            if known not in _USED and known not in _PRELOADED:  # neither looked up nor loaded here yet
+                variants = _load(*known, vars(importlib.import_module(module)))
+                _PRELOADED[known] = (module, variants)
+                count += len(variants)
+    return count
+
+
+def _valid(entry) -> bool:
+    return isinstance(entry, dict) and entry.keys() == _ENTRY.keys() and all(
+        isinstance(entry[field], str) and re.fullmatch(pattern, entry[field]) for field, pattern in _ENTRY.items())
 
 
 @functools.cache
@@ -162,10 +211,21 @@ class AheadOfTime:
             known = self.file_keys[key] = digest([self.name, key, _source(), environment()])
         return known
 
-    def _variant(self, directory: Path, key: str, args: tuple, kwargs: dict):
+    def _known(self, directory: Path, key: str) -> list:
+        """The key's variants: as `preload` loaded them for this function's globals, else loaded from the directory
+        now."""
         known = self.variants.get((directory, key))
         if known is None:
-            known = self.variants[directory, key] = self._load(directory, key)
+            module = self.f_globals["__name__"]
+            with _LOCK:
+                preloaded = _PRELOADED.pop((directory, self.name, key), (None, None))
+                known = preloaded[1] if preloaded[0] == module else _load(directory, self.name, key, self.f_globals)
+                _USED[directory, self.name, key] = module
+            self.variants[directory, key] = known
+        return known
+
+    def _variant(self, directory: Path, key: str, args: tuple, kwargs: dict):
+        known = self._known(directory, key)
         for compiled in known:
             if compiled.guard_check(*args, **kwargs):
                 return compiled
@@ -203,7 +263,7 @@ class AheadOfTime:
             warnings.warn(f"{self.name} was not compiled by the compile worker ({ticket.error}); it compiles in "
                           "this process.")
             return None
-        known = self.variants[directory, key] = self._load(directory, key)
+        known = self.variants[directory, key] = _load(directory, self.name, key, self.f_globals)
         return next((compiled for compiled in known if compiled.guard_check(*args, **kwargs)), None)
 
     def _compile(self, args: tuple, kwargs: dict):
@@ -213,32 +273,12 @@ class AheadOfTime:
                 torch._dynamo.config.patch(specialize_float=True, enable_aot_compile=True), _set_forwards_pickled():
             return torch.compile(self.function, dynamic=True, fullgraph=True).aot_compile((args, kwargs))
 
-    def _loaded(self, data: bytes):
-        """The artifact's function, or None where code it inlined has changed since."""
-        compiled = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=self.f_globals)
-        compiled.disable_guard_check()  # `_variant` checks the guards before each call, once
-        return compiled if _same_sources(compiled) else None
-
-    def _load(self, directory: Path, key: str) -> list:
-        loaded = []
-        for path in sorted(directory.glob(f"{self.name}-{key}-*.bin")):
-            try:
-                compiled = self._loaded(path.read_bytes())
-            except Exception as error:  # a damaged file is a compile, never a crash
-                warnings.warn(f"compile cache {path}: not loadable ({type(error).__name__}: {error}); removed.")
-                compiled = None
-            if compiled is None:
-                path.unlink(missing_ok=True)
-            else:
-                loaded.append(compiled)
-        return loaded
-
     def _save(self, compiled, directory: Path, key: str) -> bool:
         """Saved under a digest of its bytes, once they load back (a later process would fail on them otherwise);
         whether it was."""
         try:
             data = type(compiled).serialize(compiled).serialized_data  # not `save_compiled_function`: in place on 2.11
-            if self._loaded(data) is None:
+            if _loaded(data, self.f_globals) is None:
                 raise RuntimeError("its inlined sources changed while it was traced")
             directory.mkdir(parents=True, exist_ok=True)
             write_whole(directory / f"{self.name}-{key}-{hashlib.sha256(data).hexdigest()[:16]}.bin", data)
@@ -251,3 +291,27 @@ class AheadOfTime:
             warnings.warn(f"{self.name} compiled ahead of time does not load back ({type(error).__name__}: "
                           f"{error}); not saved, the next process traces it again.")
         return False
+
+
+def _loaded(data: bytes, f_globals: dict):
+    """The artifact's function, running with `f_globals`, or None where code it inlined has changed since."""
+    compiled = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=f_globals)
+    compiled.disable_guard_check()  # `_variant` checks the guards before each call, once
+    return compiled if _same_sources(compiled) else None
+
+
+def _load(directory: Path, name: str, key: str, f_globals: dict) -> list:
+    """The variants saved under `name` and `key` in `directory`; a damaged file, or one whose inlined code changed,
+    is removed."""
+    loaded = []
+    for path in sorted(directory.glob(f"{name}-{key}-*.bin")):
+        try:
+            compiled = _loaded(path.read_bytes(), f_globals)
+        except Exception as error:  # a damaged file is a compile, never a crash
+            warnings.warn(f"compile cache {path}: not loadable ({type(error).__name__}: {error}); removed.")
+            compiled = None
+        if compiled is None:
+            path.unlink(missing_ok=True)
+        else:
+            loaded.append(compiled)
+    return loaded

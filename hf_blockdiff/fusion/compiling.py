@@ -55,10 +55,10 @@ def write_whole(path: Path, data: bytes) -> None:
     os.replace(partial, path)
 
 
-def keep_newest(directory: Path, count: int) -> None:
-    """Remove all but the `count` most recently written artifact files (`*.bin`, and a `.json` beside one) of
-    `directory`: the bound of a compile cache's directories."""
-    files = sorted(directory.glob("*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
+def keep_newest(directory: Path, count: int, pattern: str = "*.bin") -> None:
+    """Remove all but the `count` most recently written files matching `pattern` (artifacts, `*.bin`, and a `.json`
+    beside one) of `directory`: the bound of a compile cache's directories."""
+    files = sorted(directory.glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in files[count:]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)

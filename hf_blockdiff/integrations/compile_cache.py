@@ -3,16 +3,16 @@ names and loaded by a fresh process before its first call, so that call reads wh
 instead of compiling it (docs/architecture.md, "Around the loop"). `warmup` fills the directory, e.g. in an image
 build or before training starts (`hf-blockdiff warmup`).
 
-Our own Triton kernels are compiled by Triton, not torch.compile: `load` points Triton's cache (`TRITON_CACHE_DIR`,
-for the whole process) into the directory's `triton/` unless the variable is set, so their binaries travel too
-(Triton keys them by source, version and GPU), and the step's bookkeeping and the compiled layers' regions are
-compiled ahead of time into its `bookkeeping/` and `regions/` (fusion/ahead_of_time.py), which a later process loads
-instead of tracing. A file holds one model's
-artifacts (its config, dtype and tensor-parallel size) for one environment (torch, triton, GPU); the directory keeps
-the newest `MAX_FILES`, and its `triton/` the most recently written kernels within `MAX_TRITON_BYTES`. Several
-processes may save at once (torchrun ranks): each writes a file of its own and renames it into place, so a reader
-sees a whole file. A directory that cannot be read or written, or holds only other environments' artifacts, gives a
-warning naming the cause and a cold start."""
+Our own Triton kernels are compiled by Triton, not torch.compile: `load` points Triton's cache (`TRITON_CACHE_DIR`, for
+the whole process) into the directory's `triton/` unless the variable is set, so their binaries travel too (Triton keys
+them by source, version and GPU), and the step's bookkeeping and the compiled layers' regions are compiled ahead of time
+into its `bookkeeping/` and `regions/` (fusion/ahead_of_time.py), which a later process loads instead of tracing; `save`
+lists in `used/` those its process looked up, and `load` reads them, so that the next process's first call does not. A
+file holds one model's artifacts (its config, dtype and tensor-parallel size) for one environment (torch, triton, GPU);
+the directory keeps the newest `MAX_FILES`, and its `triton/` the most recently written kernels within
+`MAX_TRITON_BYTES`. Several processes may save at once (torchrun ranks): each writes a file of its own and renames it
+into place, so a reader sees a whole file. A directory that cannot be read or written, or holds only other environments'
+artifacts, gives a warning naming the cause and a cold start."""
 
 from __future__ import annotations
 
@@ -45,15 +45,39 @@ def cache_file(model, directory: str | os.PathLike) -> Path:
     return Path(directory) / f"{model_key(model)}-{digest(environment())}.bin"
 
 
+def used_file(model, directory: str | os.PathLike) -> Path:
+    """Where `save` lists the artifacts compiled ahead of time that its process looked up (`ahead_of_time.save_used`),
+    for `load` to read."""
+    return Path(directory) / "used" / cache_file(model, directory).with_suffix(".json").name
+
+
 def load(model, directory: str | os.PathLike, background: bool = True) -> bool:
-    """Load the artifacts saved for this model and environment into torch's caches, and point Triton's cache and
-    the artifacts compiled ahead of time into the directory; False (with a warning where the directory says why)
-    when there are none. `background`: the step's bookkeeping, where the directory lacks it, runs eager while a
-    process beside this one compiles it into the directory (`fusion/compile_worker.py`; `settle` waits for it),
-    instead of the first call waiting for the compile (docs/benchmarks.md, "Eval loops")."""
+    """Load the artifacts saved for this model and environment into torch's caches, and the artifacts compiled ahead
+    of time that the last process saving for it looked up (`used_file`) into memory, so the first call does not;
+    point Triton's cache and later artifacts compiled ahead of time into the directory. False (with a warning where
+    the directory says why) when there are none. `background`: the step's bookkeeping and the layers' regions, where
+    the directory lacks them, run eager while a process beside this one compiles them into the directory
+    (`fusion/compile_worker.py`; `settle` waits for it), instead of the first call waiting for the compile
+    (docs/benchmarks.md, "Eval loops")."""
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(directory).resolve() / "triton"))
     _ptxas_of_inductors_workers()
     ahead_of_time.use_directory(directory, in_worker=background)
+    torch_artifacts = _load_torch_artifacts(model, directory)
+    return _preload(model, directory) > 0 or torch_artifacts
+
+
+def _preload(model, directory: str | os.PathLike) -> int:
+    """The variants loaded ahead of the first call; a list that cannot be read, or whose artifacts cannot, warns, and
+    they load at the first call that runs them."""
+    try:
+        return ahead_of_time.preload(used_file(model, directory))
+    except Exception as error:  # never a failed load: the first call loads (or compiles) them
+        warnings.warn(f"compile cache {directory}: its list of artifacts used cannot be read ({type(error).__name__}: "
+                      f"{error}); they load at the first call.")
+        return 0
+
+
+def _load_torch_artifacts(model, directory: str | os.PathLike) -> bool:
     path = cache_file(model, directory)
     try:
         data = path.read_bytes()
@@ -109,21 +133,28 @@ def _warn_other_environments(model, directory: Path) -> None:
 
 
 def save(model, directory: str | os.PathLike) -> Path | None:
-    """Save what this process compiled (and loaded) for this model and environment; None, with a warning when the
-    directory is not writable, or when nothing was compiled."""
+    """Save what this process compiled (and loaded) for this model and environment, and list the artifacts compiled
+    ahead of time that it looked up (`used_file`); the file saved, or None, with a warning when the directory is not
+    writable, or when torch compiled nothing."""
     artifacts = torch.compiler.save_cache_artifacts()
-    if artifacts is None or not artifacts[0]:
-        return None
     path = cache_file(model, directory)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for target, data in ((path, artifacts[0]), (path.with_suffix(".json"), json.dumps(environment()).encode())):
-            write_whole(target, data)
-        keep_newest(path.parent, MAX_FILES)
-        _bound_triton(path.parent / "triton")
+        if artifacts is None or not artifacts[0]:
+            path = None
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for target, data in ((path, artifacts[0]), (path.with_suffix(".json"), json.dumps(environment()).encode())):
+                write_whole(target, data)
+            keep_newest(path.parent, MAX_FILES)
+            _bound_triton(path.parent / "triton")
     except OSError as error:
         warnings.warn(f"compile cache {directory}: not writable ({error}); nothing saved, the next process compiles.")
         return None
+    try:
+        ahead_of_time.save_used(Path(directory), used_file(model, directory))
+    except OSError as error:
+        warnings.warn(f"compile cache {directory}: its list of artifacts used is not writable ({error}); the next "
+                      "process loads them at its first call.")
     return path
 
 
