@@ -1,14 +1,13 @@
 """lm-eval's `hf-blockdiff` model on a local task (tests/fixtures/lm_eval: a YAML task over a JSONL file, offline)."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.cli import main
 from hf_blockdiff.integrations.checkpoint import load_pretrained
 from hf_blockdiff.integrations.completions import complete
 
@@ -56,14 +55,14 @@ def test_loglikelihood_is_refused(checkpoint):
         BlockDiffusionLM(pretrained=str(checkpoint), blok_size=4)
 
 
-def test_the_command_line(checkpoint, tmp_path):
-    command = [sys.executable, "-m", "hf_blockdiff.cli", "lm-eval", "--model", "hf-blockdiff",
-               "--model_args", f"pretrained={checkpoint},block_size=4,threshold=0.6", "--tasks", "blockdiff_tiny",
-               "--include_path", str(TASK), "--device", "cpu", "--batch_size", "4"]
-    env = {**os.environ, **OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
-    run = subprocess.run(command, cwd=TASK, env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "blockdiff_tiny" in run.stdout and "exact_match" in run.stdout
+def test_the_command_line(checkpoint, offline, monkeypatch, capsys):
+    """`hf-blockdiff lm-eval` in this process (lm_eval's command line reads `sys.argv`: restored after)."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    code = main(["lm-eval", "--model", "hf-blockdiff", "--model_args",
+                 f"pretrained={checkpoint},block_size=4,threshold=0.6", "--tasks", "blockdiff_tiny", "--include_path",
+                 str(TASK), "--device", "cpu", "--batch_size", "4"])
+    out = capsys.readouterr().out
+    assert code == 0 and "blockdiff_tiny" in out and "exact_match" in out
 
 
 def test_a_greedy_request_stays_greedy_on_a_sampling_checkpoint(checkpoint):
