@@ -136,7 +136,7 @@ def run_family(spec: str, args, since) -> list[dict]:
         rows.append(dict(family=spec, call=call + 1, batch=batch, longest=int(lengths.max()), new_tokens=new,
                          seconds=round(seconds, 3), frames=frames, graphs=graphs, recompiles=reasons))
         print(json.dumps(rows[-1]), flush=True)
-    if args.compile_cache:  # as the eval callback does: what the loop used loads before the next process's first call
+    if args.compile_cache:  # what the loop looked up, the worker's artifacts included, loads in the next process's load
         compile_cache.settle()
         compile_cache.save(model, args.compile_cache)
     free_cache(model)

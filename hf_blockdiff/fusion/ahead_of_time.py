@@ -102,9 +102,11 @@ def preload(path: Path) -> int:
         return 0
     if not isinstance(entries, list) or not all(map(_valid, entries)):
         raise ValueError(f"{path} is not a list of artifacts")
+    if _directory is None:
+        return 0
     count = 0
     with _LOCK:
-        for entry in entries if _directory is not None else ():
+        for entry in entries:
             folder, name, key, module = (entry[field] for field in _ENTRY)
             known = (_directory / folder, name, key)
             if known not in _USED and known not in _PRELOADED:  # neither looked up nor loaded here yet

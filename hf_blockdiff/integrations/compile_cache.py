@@ -137,11 +137,9 @@ def save(model, directory: str | os.PathLike) -> Path | None:
     ahead of time that it looked up (`used_file`); the file saved, or None, with a warning when the directory is not
     writable, or when torch compiled nothing."""
     artifacts = torch.compiler.save_cache_artifacts()
-    path = cache_file(model, directory)
+    path = cache_file(model, directory) if artifacts is not None and artifacts[0] else None
     try:
-        if artifacts is None or not artifacts[0]:
-            path = None
-        else:
+        if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             for target, data in ((path, artifacts[0]), (path.with_suffix(".json"), json.dumps(environment()).encode())):
                 write_whole(target, data)
