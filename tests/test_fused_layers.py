@@ -74,6 +74,19 @@ def test_fused_forwards_equal_the_stock_ones(family, dtype, tokens):
     assert fused.abs().max() > 0.1  # not a vanishing output that any kernel would match
 
 
+def test_decoding_restores_a_forward_set_on_a_norm():
+    """A forward set on a norm's instance before the call (transformers' tensor-parallel one on a replicated q/k norm)
+    is the norm's forward again after it, though the call ran the fused norm in its place."""
+    model = tiny_model("qwen3")
+    norm = model.model.layers[0].self_attn.q_norm
+    norm.forward = own = type(norm).forward.__get__(norm)
+    ids, mask = left_pad(random_prompts((9, 4), seed=2))
+    config = BlockDiffusionConfig(mask_token_id=MASK, block_size=4, max_new_tokens=4, eos_token_id=[],
+                                  attention="block_causal", attention_backend="triton")
+    model.generate_multi_block(ids, config, attention_mask=mask)
+    assert vars(norm)["forward"] is own
+
+
 @pytest.mark.parametrize("keyword", ["past_key_values", CACHE_KEYWORD])
 def test_fused_forwards_with_a_cache_run_the_stock_ones(keyword):
     """Given a KV cache under either keyword (transformers 5.24 passes `cache`, earlier ones `past_key_values`), the

@@ -126,8 +126,10 @@ def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = F
     projections = (fused_forwards(model, mlps=skinny, layers=fusion == "norms", invariant=invariant)
                    + fused_experts(model)) if kernels else []
     config = model.config
-    previous = config._attn_implementation
+    implementation = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME
+    # a forward set on the instance before (transformers' tensor-parallel one on a replicated q/k norm) comes back
+    previous = [(module, vars(module).get("forward")) for module in norms + layers + [m for m, _ in projections]]
     for norm in norms:
         norm.forward = _fused_rms_norm_forward.__get__(norm)
     for module, forward in projections:
@@ -146,6 +148,9 @@ def decoding_mode(model: torch.nn.Module, fusion: str = "none", skinny: bool = F
                 compile_settings(profile_job(model) if layers else None):
             yield
     finally:
-        config._attn_implementation = previous
-        for module in norms + layers + [module for module, _ in projections]:
-            del module.forward
+        config._attn_implementation = implementation
+        for module, forward in previous:
+            if forward is None:
+                vars(module).pop("forward", None)
+            else:
+                module.forward = forward
