@@ -1,9 +1,9 @@
 """Run by test_distributed under `torchrun --nproc_per_node W`: generation of a tiny checkpoint sharded on DEVICE (cpu:
 gloo, cuda: NCCL) over groups of TP_SIZE processes (one group: plain tensor parallel; several: hybrid data × tensor
 parallel), and of one whose KV heads cannot be split; with LAYERS "compiled", also with compiled decoder layers (the
-collectives traced into them); with SOURCE (a JSONL of prompts), also the CLI's `generate` of it and its `bench` in the
-same launch (a launch of their own costs about 25 s on the CPU); every process writes what it saw as JSON
-(OUTPUT.RANK)."""
+collectives traced into them) and a batch through the fused projections (`stacked_decode`); with SOURCE (a JSONL of
+prompts), also the CLI's `generate` of it and its `bench` in the same launch (a launch of their own costs about 25 s
+on the CPU); every process writes what it saw as JSON (OUTPUT.RANK)."""
 
 import contextlib
 import io
@@ -12,6 +12,8 @@ import os
 import sys
 
 from hf_blockdiff import BlockDiffusionConfig
+from hf_blockdiff.fusion import layers as fused_layers
+from hf_blockdiff.kernels.skinny_gemm import stacked
 from hf_blockdiff.weights.tensor_parallel import layer_stacks
 from hf_blockdiff.generation.engine import kv_bytes_per_token
 from hf_blockdiff.integrations.checkpoint import load_pretrained
@@ -31,6 +33,28 @@ def sharding(model) -> tuple:
     return ([(name, id(p), type(p).__name__) for name, p in model.named_parameters()],
             [(name, id(vars(m)["forward"])) for name, m in model.named_modules() if "forward" in vars(m)],
             [list(stack._forward_pre_hooks) for stack, _ in layer_stacks(model)])
+
+
+def packed(model) -> list[bool]:
+    """Per decoder layer, whether its local q/k/v shards and its gate/up shards lie back to back (load_sharded)."""
+    groups = [[m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj] for _, stack in layer_stacks(model)
+              for m in stack] + [[m.mlp.gate_proj, m.mlp.up_proj] for _, stack in layer_stacks(model) for m in stack]
+    return [stacked([linear.weight.to_local() for linear in group]) is not None for group in groups]
+
+
+def stacked_decode(model, tokenizer) -> tuple[list[str], int, int]:
+    """PROMPTS four times over in one batch through the fused projections (the CPU's default backend, sdpa, has none),
+    its prefill and steps past the kernel's 64 rows; how many q/k/v projections went through the stacked weight
+    (max_rows: one weight of three), how many MLP forwards through stacked gate and up."""
+    calls, project, mlp = [], fused_layers.grouped_linear, fused_layers.stacked_mlp_forward
+    fused_layers.grouped_linear = lambda *args, **kwargs: calls.append("max_rows" in kwargs) or project(*args, **kwargs)
+    fused_layers.stacked_mlp_forward = lambda self, x: calls.append("mlp") or mlp(self, x)
+    try:
+        wide = generate_distributed(model, PROMPTS * 4, CFG.replace(attention_backend="triton"), tokenizer,
+                                    batch_size=20)
+    finally:
+        fused_layers.grouped_linear, fused_layers.stacked_mlp_forward = project, mlp
+    return [c.text for c in wide], calls.count(True), calls.count("mlp")
 
 
 def command_line(checkpoint: str, tp_size: str, device: str, source: str) -> dict:
@@ -61,6 +85,7 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
     compiled = CFG.replace(compile=True, cuda_graphs=True)  # the graphs' fixed shapes with the collectives inside
     compiled_texts = ([c.text for c in generate_distributed(model, PROMPTS, compiled, tokenizer, batch_size=2)]
                       if layers == "compiled" else None)
+    wide, stacked_qkv, stacked_mlps = stacked_decode(model, tokenizer) if layers == "compiled" else (None, 0, 0)
     rows, decode = [], model.generate_multi_block
     model.generate_multi_block = lambda ids, *args, **kwargs: rows.append(len(ids)) or decode(ids, *args, **kwargs)
     completions = generate_distributed(model, PROMPTS, CFG, tokenizer, batch_size=2)
@@ -73,6 +98,9 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
     report = {
         "completions": [c.text for c in completions],
         "again": [c.text for c in again],
+        "wide": wide,
+        "stacked": [stacked_qkv, stacked_mlps],
+        "packed": packed(model),
         "compiled": compiled_texts,
         "rows": rows,
         "tp_size": model.tp_size,

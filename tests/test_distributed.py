@@ -97,6 +97,9 @@ def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device
         assert report["cache_kv_heads"] == 1  # the tiny model has 2 KV heads: one per process
         assert report["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 4  # K and V, 2 layers, its 1 head of 16, fp32
         assert report["completions"] == expected and report["again"] == expected[:1]
+        assert all(report["packed"]) and len(report["packed"]) == 4  # q/k/v and gate/up of 2 layers, side by side
+        if processes == 2:  # past the kernel's rows too, through the stacked q/k/v (weights/packed_shards.py)
+            assert report["wide"] == expected * 4 and min(report["stacked"]) > 0  # q/k/v and MLP forwards
         assert report["compiled"] == (expected if processes == 2 else None)
         assert report["unchanged"]
         assert "num_key_value_heads=1 is not divisible by 2" in report["uneven_error"]
@@ -183,6 +186,10 @@ def test_cpu_shards_on_a_cuda_build(monkeypatch):
         def from_pretrained(cls, path, distributed_config, **kwargs):
             seen.append((path, torch._C._get_accelerator().type, distributed_config.tp_size, kwargs))
             return cls
+
+        @classmethod
+        def modules(cls):  # what load_sharded's stacking of shards walks: no layers
+            return iter(())
 
     assert load_sharded(Model, "dir", 2, "cpu", dtype="float32") is Model
     assert seen == [("dir", "cpu", 2, {"dtype": "float32"})]

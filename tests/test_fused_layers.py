@@ -19,6 +19,7 @@ from hf_blockdiff.fusion.layers import (
     rotary_in_cache_attention_forward,
 )
 from hf_blockdiff.kernels import skinny_gemm
+from hf_blockdiff.weights import packed_shards
 
 from helpers import MASK, left_pad, random_prompts, tiny_model
 
@@ -72,6 +73,67 @@ def test_fused_forwards_equal_the_stock_ones(family, dtype, tokens):
     error = (fused_layer_forward(layer, hidden, position_embeddings=rotary).float() - stock_layer).norm()
     assert error / stock_layer.norm() < (1e-5 if dtype == torch.float32 else 1e-2)  # of a norm propagates to 2.0
     assert fused.abs().max() > 0.1  # not a vanishing output that any kernel would match
+
+
+def _stack(modules, names) -> None:
+    """Each module's projections `names` (weights and biases) moved side by side into one buffer, as `pack_shards`
+    moves a sharded model's local shards (the parameters stay the objects they are)."""
+    for module in modules:
+        for key in ("weight", "bias"):
+            params = [getattr(getattr(module, name), key) for name in names]
+            if params[0] is not None:
+                views = torch.cat([p.detach() for p in params]).split([p.shape[0] for p in params])
+                for param, view in zip(params, views):
+                    torch.utils.swap_tensors(param, torch.nn.Parameter(view, requires_grad=False))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # Qwen2: biased q/k/v
+@pytest.mark.parametrize("tokens", [5, 40])  # 10 rows: the kernel over one weight; 80: one cuBLAS GEMM
+def test_stacked_qkv_projects_as_the_three_weights(family, tokens, monkeypatch):
+    """An attention given its q/k/v as one stacked weight (`weights/packed_shards.py`, a sharded model's call) gives
+    the q, k and v of the three weights, in one projection of one weight; only weights lying side by side are
+    stacked."""
+    weights, project = [], fused_layers.grouped_linear
+    monkeypatch.setattr(fused_layers, "grouped_linear", lambda x, w, *args, **kwargs: weights.append(len(w)) or project(
+        x, w, *args, **kwargs))
+    model = tiny_model(family)
+    assert packed_shards.stacked_projections(model) == []
+    hidden = torch.randn(2, tokens, 64, generator=torch.Generator().manual_seed(3))
+    rotary = model.model.rotary_emb(hidden, torch.arange(tokens)[None].expand(2, -1))
+    attention = model.model.layers[0].self_attn
+    three = fused_layers.query_key_value(attention, hidden, rotary, True)
+    _stack([layer.self_attn for layer in model.model.layers], packed_shards.QKV)
+    found = packed_shards.stacked_projections(model)
+    assert [module for module, _ in found] == [layer.self_attn for layer in model.model.layers]
+    assert all(sorted(params) == sorted([packed_shards.STACKED_QKV] + [packed_shards.STACKED_QKV_BIAS] * (
+        family == "qwen2")) for _, params in found)
+    attention._parameters.update(found[0][1])
+    one = fused_layers.query_key_value(attention, hidden, rotary, True)
+    assert weights == [3, 1]
+    for stacked_out, out in zip(one[:3], three[:3]):
+        torch.testing.assert_close(stacked_out, out, atol=1e-5, rtol=1e-5)
+    assert one[0].abs().max() > 0.1
+
+
+def test_stacked_gate_up_is_one_gemm_in_wide_forwards(monkeypatch):
+    """An MLP given its gate and up stacked runs them as one GEMM where the skinny ops are not installed (forwards of
+    more rows than the kernel takes), with the stock MLP's output."""
+    model = tiny_model("qwen3")
+    hidden = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(4))
+    mlps = [layer.mlp for layer in model.model.layers]
+    stock = mlps[0](hidden)
+    _stack(mlps, packed_shards.GATE_UP)
+    found = packed_shards.stacked_projections(model)
+    assert [(module, list(params)) for module, params in found] == [(m, [packed_shards.STACKED_GATE_UP]) for m in mlps]
+    for module, params in found:
+        module._parameters.update(params)
+    forwards = dict(fused_forwards(model, mlps=False))
+    assert all(forwards[m].__func__ is fused_layers.stacked_mlp_forward for m in mlps)
+    shapes, linear = [], torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, *args: shapes.append(tuple(w.shape)) or linear(
+        x, w, *args))
+    torch.testing.assert_close(forwards[mlps[0]](hidden), stock, atol=1e-5, rtol=1e-5)
+    assert shapes == [(2 * mlps[0].gate_proj.out_features, 64), (64, mlps[0].gate_proj.out_features)]
 
 
 def test_decoding_restores_a_forward_set_on_a_norm():

@@ -3,12 +3,14 @@ for forwards of few tokens, where a decode step's time is reading the weights; c
 (docs/kernels.md, "Kernels and backends").
 
 - Gated MLPs (`LlamaMLP`, `Qwen2MLP`, `Qwen3MLP`, `Qwen3MoeMLP`: down(silu(gate(x)) · up(x))): gate, up and the
-  activation in one `gated_linear`, the down projection in a one-weight `grouped_linear`.
-- Qwen-style attention (`Qwen2Attention`, `Qwen3Attention`, `Qwen3MoeAttention`): q, k and v in one `grouped_linear`,
-  then the stock steps as transformers writes them (the q/k RMSNorms where the class has them, rotary embedding, the
-  configured attention function, the output projection as the down projection). Under hf_blockdiff's attention,
-  with stock q/k norms (or none), q and k go to the attention function as projected (`blockdiff_rotary`): the
-  cache's write kernel applies the norms and the rotary embedding (`kernels/rotary_write.py`).
+  activation in one `gated_linear`, the down projection in a one-weight `grouped_linear`; in forwards of more rows,
+  given gate and up stacked by a tensor-parallel call (`weights/packed_shards.py`), gate and up as one GEMM.
+- Qwen-style attention (`Qwen2Attention`, `Qwen3Attention`, `Qwen3MoeAttention`): q, k and v in one `grouped_linear`
+  (over their stacked weight where a tensor-parallel call gives one, `weights/packed_shards.py`), then the stock steps
+  as transformers writes them (the q/k RMSNorms where the class has them, rotary embedding, the configured attention
+  function, the output projection as the down projection). Under hf_blockdiff's attention, with stock q/k norms (or
+  none), q and k go to the attention function as projected (`blockdiff_rotary`): the cache's write kernel applies the
+  norms and the rotary embedding (`kernels/rotary_write.py`).
 - Decoder layers (`Qwen2DecoderLayer`, `Qwen3DecoderLayer`, `Qwen3MoeDecoderLayer`) whose attention and gated MLP are
   fused and whose norms are stock, when the layers are not compiled: the residual add after the attention in the
   post-attention RMSNorm's launch (`add_rms_norm`), the one after the MLP in the down projection's
@@ -27,6 +29,7 @@ import functools
 import types
 
 import torch
+import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaMLP, eager_attention_forward
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2MLP, Qwen2RMSNorm
@@ -41,7 +44,8 @@ from ..attention import blockdiff_attention_forward
 from ..cache.keyword import kv_cache_argument
 from ..kernels import TRITON_AVAILABLE
 from ..kernels.rmsnorm import add_rms_norm
-from ..kernels.skinny_gemm import gated_linear, grouped_linear, linear_residual
+from ..kernels.skinny_gemm import MAX_ROWS, gated_linear, grouped_linear, linear_residual
+from ..weights.packed_shards import STACKED_GATE_UP, STACKED_QKV, STACKED_QKV_BIAS
 from ..weights.tensor_parallel import finish_row_parallel, row_parallel
 
 GATED_MLPS = (LlamaMLP, Qwen2MLP, Qwen3MLP, Qwen3MoeMLP)
@@ -89,6 +93,14 @@ def fused_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = Non
     return linear_residual(hidden, down.weight, down.bias, _flat(residual), invariant).view(residual.shape)
 
 
+def stacked_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """The gated MLP in forwards of more rows than the skinny kernel takes, given its gate and up stacked (a sharded
+    model's call, `weights/packed_shards.py`): one GEMM for both, then the stock steps (compiled, inductor fuses the
+    activation and the product as in the stock MLP)."""
+    gate, up = F.linear(x, getattr(self, STACKED_GATE_UP)).split(self.gate_proj.weight.shape[0], dim=-1)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
 def stock_with_cache(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
                      position_embeddings, kwargs):
     """The stock decoder layer's output where the forward was given a transformers cache, else None (the caller's
@@ -127,16 +139,24 @@ def _rotates_in_cache(attention: torch.nn.Module) -> bool:
             and norms[0].variance_epsilon == norms[1].variance_epsilon)
 
 
+def _qkv_projections(self, x: torch.Tensor, invariant: bool) -> list[torch.Tensor]:
+    """x's q, k and v projections [rows, Nᵢ] in one launch: through the stacked weight where the call gave one
+    (`weights.packed_shards`; then views of one output), else over the three weights."""
+    projections = (self.q_proj, self.k_proj, self.v_proj)
+    weight = getattr(self, STACKED_QKV, None)
+    if weight is None:
+        return grouped_linear(x, [p.weight for p in projections], [p.bias for p in projections], invariant)
+    (out,) = grouped_linear(x, [weight], [getattr(self, STACKED_QKV_BIAS, None)], invariant, max_rows=MAX_ROWS)
+    return out.split([p.weight.shape[0] for p in projections], dim=-1)
+
+
 def query_key_value(self, hidden_states, position_embeddings, rotary_in_cache: bool, invariant: bool = False):
     """The attention's q, k and v as [R, heads, W, D] (one `grouped_linear`), and the rotary steps left to the cache's
     write kernel (`blockdiff_rotary`: cos, sin, the q/k norms' weights or None, eps), or None where they were applied
     here as transformers writes them."""
     input_shape = hidden_states.shape[:-1]
-    projections = (self.q_proj, self.k_proj, self.v_proj)
-    query, key, value = (
-        out.view(*input_shape, out.shape[-1] // self.head_dim, self.head_dim).transpose(1, 2)
-        for out in grouped_linear(_flat(hidden_states), [p.weight for p in projections],
-                                  [p.bias for p in projections], invariant))
+    query, key, value = (out.view(*input_shape, out.shape[-1] // self.head_dim, self.head_dim).transpose(1, 2)
+                         for out in _qkv_projections(self, _flat(hidden_states), invariant))
     cos, sin = position_embeddings
     if rotary_in_cache:
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon) if hasattr(self, "q_norm") \
@@ -233,9 +253,10 @@ def _bound(forward, module: torch.nn.Module, invariant: bool):
 def fused_forwards(model: torch.nn.Module, mlps: bool = True, layers: bool = False,
                    invariant: bool = False) -> list[tuple[torch.nn.Module, object]]:
     """(module, forward) for every module to run fused while decoding (none without Triton); `mlps`: the gated MLPs
-    too (with many tokens their ops run unfused, where the compiled stock MLP fuses its activation); `layers`: with
-    `mlps`, the decoder layers too (their residual adds fused; for layers that are not compiled); `invariant`: their
-    GEMMs in the batch-invariant launches (`RuntimeOptions.batch_invariant`)."""
+    too (with many tokens their ops run unfused, where the compiled stock MLP fuses its activation; then an MLP given
+    its gate and up stacked runs `stacked_mlp_forward`); `layers`: with `mlps`, the decoder layers too (their residual
+    adds fused; for layers that are not compiled); `invariant`: their GEMMs in the batch-invariant launches
+    (`RuntimeOptions.batch_invariant`)."""
     dtype = model.dtype
     if not TRITON_AVAILABLE or dtype not in _DTYPES:
         return []
@@ -247,4 +268,6 @@ def fused_forwards(model: torch.nn.Module, mlps: bool = True, layers: bool = Fal
             fused = (fused_mlp_forward if type(module) in GATED_MLPS else rotary_in_cache_attention_forward
                      if _rotates_in_cache(module) else fused_attention_forward)
             forwards.append((module, _bound(fused, module, invariant)))
+        elif STACKED_GATE_UP in module._parameters and _fusable(module, dtype):
+            forwards.append((module, _bound(stacked_mlp_forward, module, invariant)))
     return forwards

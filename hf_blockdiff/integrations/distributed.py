@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import BlockDiffusionConfig
+from ..weights.packed_shards import pack_shards
 from ..weights.shard_layout import check_fits, check_shards, shard_layout
 from ..weights.sharding import check_sharding, load_untied, meta_model, sharding_config
 from ..weights.tensor_parallel import tensor_parallel_size
@@ -198,7 +199,8 @@ def load_sharded(model_class, path: str | None, size: int, device: str | None = 
     gloo; `expert_parallel`: a MoE model's experts split whole over the group. Each process reads only its shards of
     the checkpoint. With a config (`config=` or the checkpoint directory's), the sizes are checked, and the model's
     plans spelled out and its layout checked on one copy on the meta device, before anything loads
-    (`weights.sharding`, `check_layout`). Call it on every process of the launch."""
+    (`weights.sharding`, `check_layout`). Each layer's q/k/v and gate/up shards end side by side in one buffer
+    (`weights.packed_shards`). Call it on every process of the launch."""
     check_devices(shard_device(device))  # a process without a GPU of its own fails first: say so before all else
     config = kwargs.get("config")
     if config is None and (expert_parallel or (path is not None and os.path.isdir(path))):
@@ -219,7 +221,9 @@ def load_sharded(model_class, path: str | None, size: int, device: str | None = 
         return model_class.from_pretrained(path, distributed_config=distributed_config, **given)
 
     with _transformers_sees(device_type):
-        return load_untied(load, config)
+        model = load_untied(load, config)
+    pack_shards(model)
+    return model
 
 
 def build_sharded(config, size: int, device: str | None = None, dtype=None, seed: int = 0,

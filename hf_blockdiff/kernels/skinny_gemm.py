@@ -8,10 +8,12 @@ x's dtype, the activation to x's dtype, then the product (one launch instead of 
 linear_residual(x, weight, bias, residual) = residual + x·Wᵀ + b, the projection rounded before the add as torch
 rounds it (a decoder layer's down projection and the residual add after it).
 
-The Triton kernel runs up to `MAX_ROWS` rows of x (`ONE_WEIGHT_MAX_ROWS` for a single weight); more rows go to
-cuBLAS (`torch.nn.functional.linear`) inside the same op. All are torch custom ops (`torch.library.custom_op`, shapes
-from a fake implementation): a torch.compile'd layer calls them as opaque kernels, so the choice by row count makes
-no shape guard (a guard crossed first while a CUDA graph is captured would recompile inside the capture).
+The Triton kernel runs up to `MAX_ROWS` rows of x (`ONE_WEIGHT_MAX_ROWS` for a single weight, unless the caller
+says its one weight is several side by side); more rows go to cuBLAS (`torch.nn.functional.linear`) inside the same
+op, gate and up as one GEMM where they lie back to back in one storage (`stacked`: a tensor-parallel model's shards,
+`weights/packed_shards.py`). All are torch custom ops (`torch.library.custom_op`, shapes from a fake
+implementation): a torch.compile'd layer calls them as opaque kernels, so the choice by row count makes no shape guard
+(a guard crossed first while a CUDA graph is captured would recompile inside the capture).
 
 Each program computes `BLOCK_N` output columns for every row (rows padded to a power of two of at least 16 for the
 tensor cores) and streams its weight rows once; fp32 accumulation, fp32 inputs multiplied in IEEE fp32 (no TF32).
@@ -45,6 +47,19 @@ def linear_residual_reference(x: torch.Tensor, weight: torch.Tensor, bias, resid
 def gated_linear_reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """transformers' LlamaMLP / Qwen3MLP before its down projection, `act_fn` SiLU."""
     return F.silu(F.linear(x, gate)) * F.linear(x, up)
+
+
+def stacked(tensors: list) -> torch.Tensor | None:
+    """The tensors concatenated along their first dimension, as a view, where they lie back to back in one storage
+    (contiguous, one dtype, device and trailing shape); else None."""
+    first = tensors[0]
+    end, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (t.data_ptr() != end or t.untyped_storage().data_ptr() != storage or not t.is_contiguous()
+                or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]):
+            return None
+        end += t.numel() * t.element_size()
+    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
 
 
 def _check(x: torch.Tensor, weights: list, biases: list) -> None:
@@ -91,16 +106,20 @@ def _configs(n_out: int, width: int, gated: bool, block_m: int, element_size: in
     return fitting(candidates, lambda config: _shared_bytes(config, block_m, gated, element_size), limit)
 
 
-def grouped_linear(x: torch.Tensor, weights: list, biases: list, invariant: bool = False) -> list:
+def grouped_linear(x: torch.Tensor, weights: list, biases: list, invariant: bool = False,
+                   max_rows: int | None = None) -> list:
     """x [rows, K] and up to three weights [Nᵢ, K] (biases [Nᵢ] or None) → [rows, Nᵢ] each. `invariant`: a row's
     output does not depend on the rows beside it (the kernel at any row count, one tile configuration per weight
-    shape; module docstring)."""
+    shape; module docstring). `max_rows`: the most rows the kernel runs (default `MAX_ROWS`, `ONE_WEIGHT_MAX_ROWS`
+    for one weight; a weight that is several side by side takes `MAX_ROWS`, as they would)."""
     if not 1 <= len(weights) <= 3 or len(biases) != len(weights):
         raise ValueError("grouped_linear takes one to three weights, and one bias (or None) for each")
     if any((b is None) != (biases[0] is None) for b in biases):
         raise ValueError("grouped_linear: give a bias for every weight or for none")
     _check(x, weights, biases)
-    return torch.ops.hf_blockdiff.grouped_linear(x.contiguous(), list(weights), list(biases), invariant)
+    if max_rows is None:
+        max_rows = MAX_ROWS if len(weights) > 1 else ONE_WEIGHT_MAX_ROWS
+    return torch.ops.hf_blockdiff.grouped_linear(x.contiguous(), list(weights), list(biases), invariant, max_rows)
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias, residual: torch.Tensor,
@@ -251,15 +270,15 @@ if TRITON_AVAILABLE:
 
     @custom_op("hf_blockdiff::grouped_linear", mutates_args=())
     def _grouped_linear_op(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-                           invariant: bool) -> list[torch.Tensor]:
-        if not invariant and x.shape[0] > (MAX_ROWS if len(weights) > 1 else ONE_WEIGHT_MAX_ROWS):
+                           invariant: bool, max_rows: int) -> list[torch.Tensor]:
+        if not invariant and x.shape[0] > max_rows:
             return grouped_linear_reference(x, weights, biases)
         outputs = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
         _launch(x, weights, biases, outputs, False, invariant)
         return outputs
 
     @_grouped_linear_op.register_fake
-    def _grouped_linear_shapes(x, weights, biases, invariant):
+    def _grouped_linear_shapes(x, weights, biases, invariant, max_rows):
         """Shapes only: tracing never runs the kernel (nor Triton's CPU interpreter)."""
         return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
 
@@ -279,7 +298,11 @@ if TRITON_AVAILABLE:
     @custom_op("hf_blockdiff::gated_linear", mutates_args=())
     def _gated_linear_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, invariant: bool) -> torch.Tensor:
         if not invariant and x.shape[0] > MAX_ROWS:
-            return gated_linear_reference(x, gate, up)
+            both = stacked([gate, up])
+            if both is None:
+                return gated_linear_reference(x, gate, up)
+            gated, product = F.linear(x, both).split(gate.shape[0], dim=1)
+            return F.silu(gated) * product
         out = x.new_empty(x.shape[0], gate.shape[0])
         _launch(x, [gate, up], [None, None], [out], True, invariant)
         return out

@@ -12,7 +12,9 @@ inside the first attention with a bare reshape error; `check_tensor_parallel` sa
 
 While decoding, `sharded_decoding` runs the sharded layers on their local shards as plain `nn.Linear` layers, so the
 fused decode paths (`fusion/layers.py`) take them as they take a one-GPU model, and puts one all-reduce of our own
-(`all_reduce.partial_sums`) where transformers' row-wise layers reduce (docs/benchmarks.md, "Tensor parallel").
+(`all_reduce.partial_sums`) where transformers' row-wise layers reduce (docs/benchmarks.md, "Tensor parallel"), and
+gives attentions and MLPs whose q/k/v and gate/up shards `load_sharded` packed side by side their stacked weights
+(`packed_shards`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from contextlib import contextmanager
 import torch
 
 from .all_reduce import partial_sums, sums_for
+from .packed_shards import stacked_projections
 from .shard_layout import plan_style, sharded_dim
 
 LOCAL_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")  # a gathered LM head keeps its forward
@@ -149,10 +152,12 @@ def layer_stacks(model) -> list[tuple[torch.nn.Module, torch.nn.ModuleList]]:
 @contextmanager
 def sharded_decoding(model):
     """A tensor-parallel model's sharded layers as plain layers on their local shards for the block (module
-    docstring); their DTensor parameters and transformers' forwards restored after, also when the block raises.
-    Layers of other styles (a gathered LM head, experts) keep transformers' forwards."""
+    docstring), attentions and MLPs given their q/k/v and gate/up stacked where the shards lie side by side
+    (`packed_shards.stacked_projections`); their DTensor parameters and transformers' forwards restored after, also
+    when the block raises. Layers of other styles (a gathered LM head, experts) keep transformers' forwards."""
     swaps = _local_swaps(model) if tensor_parallel_size(model) > 1 else []
     saved = [(module, dict(module._parameters), vars(module)["forward"]) for module, _, _ in swaps]
+    stacks = []
     try:
         for module, params, group in swaps:
             module._parameters.update(params)
@@ -160,8 +165,14 @@ def sharded_decoding(model):
             if group is not None:
                 setattr(module, SUMS, group)
                 module.forward = row_parallel_forward.__get__(module)
+        stacks = stacked_projections(model) if swaps else []
+        for module, params in stacks:
+            module._parameters.update(params)
         yield
     finally:
+        for module, params in stacks:
+            for name in params:
+                module._parameters.pop(name, None)
         for module, params, forward in saved:
             module._parameters.update(params)
             module.forward = forward

@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_blockdiff.kernels import skinny_gemm
 from hf_blockdiff.kernels.skinny_gemm import (
     MAX_ROWS, ONE_WEIGHT_MAX_ROWS, gated_linear, gated_linear_reference, grouped_linear, grouped_linear_reference,
-    linear_residual, linear_residual_reference,
+    linear_residual, linear_residual_reference, stacked,
 )
 
 pytest.importorskip("triton")
@@ -60,6 +61,54 @@ def test_more_rows_than_the_kernel_takes_go_to_cublas(device):
     few = x[:ONE_WEIGHT_MAX_ROWS + 1]
     (out,) = grouped_linear(few, weights[:1], [None])
     assert torch.equal(out, grouped_linear_reference(few, weights[:1], [None])[0])
+
+
+def test_stacked_finds_tensors_back_to_back_in_one_storage():
+    buffer = torch.arange(24.0).view(6, 4)
+    q, k, v = buffer.split([3, 2, 1])
+    assert torch.equal(stacked([q, k, v]), buffer) and stacked([q, k, v]).data_ptr() == buffer.data_ptr()
+    assert torch.equal(stacked([k, v]), buffer[3:])
+    assert stacked([q, v]) is None  # a gap
+    assert stacked([k, q]) is None  # out of order
+    assert stacked([q, q]) is None  # the same tensor twice (a test above passes gate as up)
+    assert stacked([q, torch.zeros(2, 4)]) is None  # another storage
+    assert stacked([buffer[:, :2], buffer[:, 2:]]) is None  # not contiguous
+    assert stacked([buffer.view(-1)[:8].view(2, 4), buffer.view(-1)[8:12].view(2, 2)]) is None  # another width
+
+
+def _stacked_weights(device, dtype, rows, width, outs, seed):
+    """x and weights of `outs` rows lying back to back in one buffer."""
+    x, weights, biases = _tensors(device, dtype, rows, width, outs, seed)
+    return x, list(torch.cat(weights).split(list(outs))), list(torch.cat(biases).split(list(outs)))
+
+
+@pytest.mark.parametrize("rows", [5, MAX_ROWS + 1])
+def test_stacked_gate_and_up_are_one_gemm_past_the_kernel(device, rows, monkeypatch, assert_close):
+    """Gate and up side by side (a sharded model's packed shards): past MAX_ROWS one GEMM over both, rounded as the
+    gated MLP rounds; up to it the kernel, as for any gate and up."""
+    x, (gate, up), _ = _stacked_weights(device, torch.bfloat16, rows, 64, (40, 40), seed=rows)
+    calls = []
+    linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda *args: calls.append(args[1].shape) or linear(*args))
+    out = gated_linear(x, gate, up)
+    both = linear(x, torch.cat([gate, up]))
+    assert calls == ([(80, 64)] if rows > MAX_ROWS else [])
+    if rows > MAX_ROWS:
+        assert torch.equal(out, F.silu(both[:, :40]) * both[:, 40:])
+    assert_close(out, gated_linear_reference(x.double(), gate.double(), up.double()), torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [ONE_WEIGHT_MAX_ROWS + 1, MAX_ROWS, MAX_ROWS + 1])
+def test_one_stacked_weight_takes_the_grouped_row_limit(device, rows, monkeypatch):
+    """q/k/v stacked into one weight run in the kernel up to MAX_ROWS, as the three weights would (one weight alone
+    goes to cuBLAS past ONE_WEIGHT_MAX_ROWS), and give the three outputs side by side."""
+    x, weights, biases = _stacked_weights(device, torch.float32, rows, 48, (32, 16, 16), seed=rows)
+    launches, launch = [], skinny_gemm._launch
+    monkeypatch.setattr(skinny_gemm, "_launch", lambda *args, **kwargs: launches.append(1) or launch(*args, **kwargs))
+    (out,) = grouped_linear(x, [stacked(weights)], [stacked(biases)], max_rows=MAX_ROWS)
+    assert len(launches) == (rows <= MAX_ROWS)
+    three = grouped_linear(x, weights, biases)
+    torch.testing.assert_close(out, torch.cat(three, dim=1), atol=1e-5, rtol=1e-5)
 
 
 def test_bad_shapes_are_refused():
@@ -135,6 +184,20 @@ def test_sdar_8b_shapes_gpu(rows, shards, assert_close):
         inner, (weight,), _ = _tensors("cuda", torch.bfloat16, rows, width, (4096,), seed=rows + width)
         assert_close(linear_residual(inner, weight, None, residual),
                      linear_residual_reference(inner, weight, None, residual).double(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shards", [2, 4])
+@pytest.mark.parametrize("rows", [4, 64, 128])
+def test_stacked_sdar_8b_shards_gpu(rows, shards, assert_close):
+    """A tensor-parallel rank's SDAR-8B q/k/v and gate/up stacked (`weights/packed_shards.py`), through the kernel
+    and, at a batch-32 step's 128 rows, one cuBLAS GEMM each, against the three and two weights."""
+    x, weights, _ = _stacked_weights("cuda", torch.bfloat16, rows, 4096, (4096 // shards, 1024 // shards,
+                                                                        1024 // shards), seed=rows)
+    (out,) = grouped_linear(x, [stacked(weights)], [None], max_rows=MAX_ROWS)
+    assert_close(out, torch.cat(grouped_linear_reference(x, weights, [None] * 3), dim=1).double(), torch.bfloat16)
+    _, (gate, up), _ = _stacked_weights("cuda", torch.bfloat16, rows, 4096, (12288 // shards,) * 2, seed=rows + 1)
+    assert_close(gated_linear(x, gate, up), gated_linear_reference(x, gate, up).double(), torch.bfloat16)
 
 
 @pytest.mark.parametrize("rows", [1, 7, ONE_WEIGHT_MAX_ROWS, ONE_WEIGHT_MAX_ROWS + 3])  # past 16: torch's own
