@@ -87,6 +87,11 @@ def _stack(modules, names) -> None:
                     torch.utils.swap_tensors(param, torch.nn.Parameter(view, requires_grad=False))
 
 
+def _as_parameters(views: dict) -> dict:
+    """The stacked views as the call gives them to their module (`tensor_parallel.sharded_decoding`)."""
+    return {name: torch.nn.Parameter(view, requires_grad=False) for name, view in views.items()}
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # Qwen2: biased q/k/v
 @pytest.mark.parametrize("tokens", [5, 40])  # 10 rows: the kernel over one weight; 80: one cuBLAS GEMM
 def test_stacked_qkv_projects_as_the_three_weights(family, tokens, monkeypatch):
@@ -107,7 +112,7 @@ def test_stacked_qkv_projects_as_the_three_weights(family, tokens, monkeypatch):
     assert [module for module, _ in found] == [layer.self_attn for layer in model.model.layers]
     assert all(sorted(params) == sorted([packed_shards.STACKED_QKV] + [packed_shards.STACKED_QKV_BIAS] * (
         family == "qwen2")) for _, params in found)
-    attention._parameters.update(found[0][1])
+    attention._parameters.update(_as_parameters(found[0][1]))
     one = fused_layers.query_key_value(attention, hidden, rotary, True)
     assert weights == [3, 1]
     for stacked_out, out in zip(one[:3], three[:3]):
@@ -126,7 +131,7 @@ def test_stacked_gate_up_is_one_gemm_in_wide_forwards(monkeypatch):
     found = packed_shards.stacked_projections(model)
     assert [(module, list(params)) for module, params in found] == [(m, [packed_shards.STACKED_GATE_UP]) for m in mlps]
     for module, params in found:
-        module._parameters.update(params)
+        module._parameters.update(_as_parameters(params))
     forwards = dict(fused_forwards(model, mlps=False))
     assert all(forwards[m].__func__ is fused_layers.stacked_mlp_forward for m in mlps)
     shapes, linear = [], torch.nn.functional.linear

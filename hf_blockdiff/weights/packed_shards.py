@@ -9,16 +9,14 @@ one new buffer per group: the parameters stay the same objects with the same val
 old storage is freed, no memory is added. A one-GPU model is never moved: it is the user's, and its weights as views of
 one tensor would stop safetensors' `save_file`.
 
-While decoding (`tensor_parallel.sharded_decoding`), `stacked_projections` gives each attention whose local q, k and v
-lie back to back their weight (and bias) as one parameter, `STACKED_QKV` (`STACKED_QKV_BIAS`), and each gated MLP its
-gate and up, `STACKED_GATE_UP`, for the call: the fused attention projects through it, and an MLP in forwards of
-more rows than the skinny kernel takes (`fusion/layers.py`, `stacked_mlp_forward`); the gated-linear op finds gate
-and up side by side itself (`kernels.skinny_gemm.stacked`).
+While decoding (`tensor_parallel.sharded_decoding`), `stacked_projections` finds each attention whose local q, k and v
+lie back to back, and each gated MLP whose gate and up do; the call gives the attention their weight (and bias) as one
+parameter, `STACKED_QKV` (`STACKED_QKV_BIAS`), and the MLP its gate and up, `STACKED_GATE_UP`: the fused attention
+projects through it, and an MLP in forwards of more rows than the skinny kernel takes (`fusion/layers.py`,
+`stacked_mlp_forward`); the gated-linear op finds gate and up side by side itself (`kernels.skinny_gemm.stacked`).
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -72,37 +70,20 @@ def _pack(params: list) -> None:
         torch.utils.swap_tensors(param, torch.nn.Parameter(twin, requires_grad=param.requires_grad))
 
 
-# id(the first of a group's local shards) -> (a weak reference to it, the stacked parameter made from them): made once,
-# as the local shards are (`tensor_parallel._local`), and remade where the shards moved
-_STACKED: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
-
-
-def _parameter(tensors: list) -> torch.nn.Parameter | None:
-    view = stacked(tensors)
-    if view is None:
-        return None
-    key = id(tensors[0])
-    ref, param = _STACKED.get(key, (None, None))
-    if ref is None or ref() is not tensors[0] or param.data_ptr() != view.data_ptr() or param.shape != view.shape:
-        param = torch.nn.Parameter(view, requires_grad=False)
-        _STACKED[key] = (weakref.ref(tensors[0], lambda _: _STACKED.pop(key, None)), param)
-    return param
-
-
-def stacked_projections(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]]:
-    """(module, its stacked parameters) for each module whose q, k and v projections ({STACKED_QKV: weight[,
-    STACKED_QKV_BIAS: bias]}), or unbiased gate and up projections ({STACKED_GATE_UP: weight}), are plain-tensor
-    weights (a sharded model's local shards, inside `sharded_decoding`) lying back to back, q/k/v's biases too or
-    absent."""
+def stacked_projections(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, torch.Tensor]]]:
+    """(module, its stacked projections, views of the weights) for each module whose q, k and v projections
+    ({STACKED_QKV: weight[, STACKED_QKV_BIAS: bias]}), or unbiased gate and up projections ({STACKED_GATE_UP:
+    weight}), are plain-tensor weights (a sharded model's local shards, inside `sharded_decoding`) lying back to back,
+    q/k/v's biases too or absent."""
     found = []
     for module in model.modules():
         for names, weight_name, bias_name in ((QKV, STACKED_QKV, STACKED_QKV_BIAS), (GATE_UP, STACKED_GATE_UP, None)):
             linears = _linears(module, names)
             if linears is None or not all(type(linear.weight.data) is torch.Tensor for linear in linears):
                 continue
-            weight = _parameter([linear.weight for linear in linears])
+            weight = stacked([linear.weight for linear in linears])
             biases = [linear.bias for linear in linears]
-            bias = None if bias_name is None or any(b is None for b in biases) else _parameter(biases)
+            bias = None if bias_name is None or any(b is None for b in biases) else stacked(biases)
             if weight is not None and (bias is not None or all(b is None for b in biases)):
                 found.append((module, {weight_name: weight} | ({} if bias is None else {bias_name: bias})))
     return found

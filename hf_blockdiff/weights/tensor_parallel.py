@@ -102,19 +102,26 @@ def row_parallel(module: torch.nn.Module) -> bool:
     return isinstance(getattr(module, SUMS, None), str)
 
 
-# id(DTensor parameter) -> (a weak reference to it, its local shard); an entry leaves with its parameter (tensors
-# compare elementwise, so no WeakKeyDictionary)
-_LOCAL: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
+# (id(owner), name) -> (a weak reference to the owner, the parameter made for it); an entry leaves with its owner
+# (tensors compare elementwise, so no WeakKeyDictionary)
+_REUSED: dict[tuple[int, str], tuple[weakref.ref, torch.nn.Parameter]] = {}
+
+
+def _reused(owner, name: str, tensor: torch.Tensor) -> torch.nn.Parameter:
+    """`tensor` as a plain parameter sharing its storage, the same object at every call while `owner` lives and the
+    tensor stays where it is (graphs captured on it stay valid): a DTensor parameter's local shard, a module's stacked
+    projections (`packed_shards`)."""
+    key = (id(owner), name)
+    ref, param = _REUSED.get(key, (None, None))
+    if ref is None or ref() is not owner or param.data_ptr() != tensor.data_ptr() or param.shape != tensor.shape:
+        param = torch.nn.Parameter(tensor.detach(), requires_grad=False)
+        _REUSED[key] = (weakref.ref(owner, lambda _: _REUSED.pop(key, None)), param)
+    return param
 
 
 def _local(param) -> torch.nn.Parameter:
-    """`param`'s local shard as a plain parameter sharing its storage (made once: graphs captured on it stay valid)."""
-    key = id(param)
-    ref, local = _LOCAL.get(key, (None, None))
-    if ref is None or ref() is not param:
-        local = torch.nn.Parameter(param.to_local().detach(), requires_grad=False)
-        _LOCAL[key] = (weakref.ref(param, lambda _: _LOCAL.pop(key, None)), local)
-    return local
+    """`param`'s local shard as a plain parameter sharing its storage."""
+    return _reused(param, "local", param.to_local())
 
 
 def _group(param):
@@ -165,7 +172,8 @@ def sharded_decoding(model):
             if group is not None:
                 setattr(module, SUMS, group)
                 module.forward = row_parallel_forward.__get__(module)
-        stacks = stacked_projections(model) if swaps else []
+        stacks = [(module, {name: _reused(module, name, view) for name, view in views.items()})
+                  for module, views in (stacked_projections(model) if swaps else [])]
         for module, params in stacks:
             module._parameters.update(params)
         yield
