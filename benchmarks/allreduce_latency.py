@@ -2,8 +2,8 @@
 decoder layer): `torchrun --nproc_per_node 2 benchmarks/allreduce_latency.py` prints, per message size, the mean
 time of NCCL's all-reduce and of torch's symmetric-memory one-shot and two-shot all-reduces (NVLink loads and stores,
 no multicast; the op no longer takes the one-shot kernel, which summed wrong under load), and of the library's op
-(`weights/all_reduce.py`: the kernel it picks for the size), each replayed from a graph of 64 back-to-back calls
-(docs/benchmarks.md, "Tensor parallel")."""
+(`weights/all_reduce.py`'s `row_parallel_linear`: a product of K=16 written where the kernel it picks for the size
+reads it, then summed), each replayed from a graph of 64 back-to-back calls (docs/benchmarks.md, "Tensor parallel")."""
 
 import os
 
@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-from hf_blockdiff.weights.all_reduce import kind_of, partial_sums, sums_for
+from hf_blockdiff.weights.all_reduce import kind_of, row_parallel_linear, sums_for
 
-CALLS, REPLAYS = 64, 20
+CALLS, REPLAYS, WIDTH, K = 64, 20, 4096, 16
 SIZES_KB = (8, 32, 128, 256, 512, 2048)
 
 
@@ -59,8 +59,12 @@ def main():
         view.copy_(x)
         two = torch.empty_like(x)
         torch.ops.symm_mem.two_shot_all_reduce_out(view, "sum", group, two)
-        mine = partial_sums(x, ours)
-        ok = all(torch.allclose(y.float(), want, atol=0.1, rtol=0.02) for y in (one, two, mine))
+        factors = torch.randn(x.numel() // WIDTH, K, dtype=x.dtype, device="cuda"), torch.randn(
+            WIDTH, K, dtype=x.dtype, device="cuda")
+        mine, product = row_parallel_linear(*factors, ours, False, False), factors[0] @ factors[1].T
+        dist.all_reduce(product)
+        ok = all(torch.allclose(y.float(), want, atol=0.1, rtol=0.02) for y in (one, two)) and torch.allclose(
+            mine.float(), product.float(), atol=0.1, rtol=0.02)
         nccl = timed(lambda: dist.all_reduce(x.clone()))
         one_shot = timed(lambda: torch.ops.symm_mem.one_shot_all_reduce_copy(view, x, "sum", group))
 
@@ -68,12 +72,13 @@ def main():
             view.copy_(x)
             torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", group)
         two_shot = timed(two)
-        op = timed(lambda: partial_sums(x, ours))
+        op = timed(lambda: row_parallel_linear(*factors, ours, False, False))
         kind = kind_of(kb * 1024, x.dtype, True)
         rows.append(f"| {kb} KB | {nccl:.1f} | {one_shot:.1f} | {two_shot:.1f} | {op:.1f} ({kind}) | {ok} |")
     if rank == 0:
         print(f"{dist.get_world_size()} x {torch.cuda.get_device_name()}, torch {torch.__version__}")
-        print("| message | NCCL (us) | symm one-shot (us) | symm two-shot (us) | partial_sums (us) | sums right |")
+        print("| message | NCCL (us) | symm one-shot (us) | symm two-shot (us) | row_parallel_linear (us) "
+              "| sums right |")
         print("|---|---|---|---|---|---|")
         print("\n".join(rows))
     dist.destroy_process_group()

@@ -4,10 +4,11 @@ generate_multi_block call on SDAR-4B shapes (random weights); under `torchrun --
 --tensor-parallel` the first process prints its share of a model sharded over N GPUs.
 
 `--steps-only` profiles two warm calls, of `--new-tokens` and of twice as many, and prints the difference per forward
-grouped by kind of kernel: the decode steps alone, the prefill (the same in both calls) taken out; with
-`--all-ranks` every process prints its own. Read with care (docs/benchmarks.md, "Tensor parallel"): a kernel launched
-early (programmatic dependent launch: our attention, skinny GEMMs, rotary write) is charged for its wait, and a rank's
-collectives for the other ranks' profiler work, so take the rank that waits least."""
+grouped by kind of kernel, then how long the GPU sat idle between kernels (`idle_gaps`): the decode steps alone, the
+prefill (the same in both calls) taken out; with `--all-ranks` every process prints its own. Read with care
+(docs/benchmarks.md, "Tensor parallel"): a kernel launched early (programmatic dependent launch: our attention, skinny
+GEMMs, rotary write) is charged for its wait, and a rank's collectives for the other ranks' profiler work, so take the
+rank that waits least; the profiler's own host work shows as gaps over 50 us."""
 
 import argparse
 import os
@@ -50,15 +51,38 @@ def kernel_times(prof) -> Counter:
     return times
 
 
-def profiled(model, prompts, cfg) -> tuple[Counter, float, int]:
-    """(kernel times, wall seconds, forwards) of one call."""
+GAP_CLASSES = ((4.0, "under 4 us (between a graph's kernels)"), (50.0, "4-50 us"),
+               (float("inf"), "over 50 us (the host)"))
+
+
+def idle_gaps(prof) -> Counter:
+    """Microseconds the GPU ran no kernel, between the call's first kernel and its last, by `GAP_CLASSES`, and
+    "kernels" (their count) and "busy" (us some kernel ran: kernels launched early overlap, so less than their sum)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps = Counter(kernels=len(spans))
+    if not spans:
+        return gaps
+    start, end = spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            gaps["busy"] += end - start
+            gaps[next(name for bound, name in GAP_CLASSES if s - end < bound)] += s - end
+            start = s
+        end = max(end, e)
+    gaps["busy"] += end - start
+    return gaps
+
+
+def profiled(model, prompts, cfg) -> tuple[Counter, float, int, Counter]:
+    """(kernel times, wall seconds, forwards, `idle_gaps`) of one call."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         out = model.generate_multi_block(prompts, cfg, return_dict=True)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    return kernel_times(prof), wall, out.num_forwards
+    return kernel_times(prof), wall, out.num_forwards, idle_gaps(prof)
 
 
 def steps_only(model, prompts, cfg, rank: int, show: bool) -> None:
@@ -78,6 +102,10 @@ def steps_only(model, prompts, cfg, rank: int, show: bool) -> None:
           f"{sum(by_kind.values()) / 1e3:.3f} ms of kernels")
     for name, us in by_kind.most_common():
         print(f"[rank {rank}]   {name:22s} {us / 1e3:7.3f} ms")
+    gaps = {name: (long[3][name] - short[3][name]) / forwards for name in long[3]}
+    print(f"[rank {rank}] per forward: {gaps.pop('kernels'):.0f} kernels, busy {gaps.pop('busy') / 1e3:.3f} ms; idle:")
+    for name, us in gaps.items():
+        print(f"[rank {rank}]   {name:40s} {us / 1e3:7.3f} ms")
     for name, us in per_kernel.most_common(12):
         print(f"[rank {rank}]     {us:8.1f} us  {name[:90]}")
 

@@ -128,9 +128,10 @@ def test_tensor_parallel_on_gpus_matches_one_gpu(checkpoint, tmp_path, processes
 
 @pytest.mark.gpu
 @needs_gpus(2)
-def test_partial_sums_on_gpus_are_exact(tmp_path):
-    """The row-parallel sums over NCCL and symmetric memory (tests/all_reduce_worker.py): 48 different messages back
-    to back at each of three sizes (NCCL, two-shot at the smallest and the largest size it takes), eagerly and from
+def test_row_parallel_sums_on_gpus_are_exact(tmp_path):
+    """The row-parallel products summed over NCCL and symmetric memory (tests/all_reduce_worker.py): 48 different
+    products back to back at each of three sizes (NCCL, two-shot at the smallest and the largest size it takes; the
+    skinny GEMM's product summed in place and copied into the buffer, cuBLAS's written into it), eagerly and from
     twenty replays of a CUDA graph, one rank's memory busy beside them; not one wrong sum. torch's one-shot kernel,
     which the op took for small messages until 2026-11-27, summed wrong here (docs/benchmarks.md, "Tensor
     parallel")."""

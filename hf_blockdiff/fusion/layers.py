@@ -46,7 +46,7 @@ from ..kernels import TRITON_AVAILABLE
 from ..kernels.rmsnorm import add_rms_norm
 from ..kernels.skinny_gemm import MAX_ROWS, gated_linear, grouped_linear, linear_residual
 from ..weights.packed_shards import STACKED_GATE_UP, STACKED_QKV, STACKED_QKV_BIAS
-from ..weights.tensor_parallel import finish_row_parallel, row_parallel
+from ..weights.tensor_parallel import row_parallel, row_parallel_product
 
 GATED_MLPS = (LlamaMLP, Qwen2MLP, Qwen3MLP, Qwen3MoeMLP)
 QWEN_ATTENTIONS = (Qwen2Attention, Qwen3Attention, Qwen3MoeAttention)  # one forward (q/k norms optional)
@@ -76,9 +76,10 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 def _project(linear: torch.nn.Linear, x: torch.Tensor, invariant: bool) -> torch.Tensor:
     """`linear(x)`; a row-parallel layer's partial product summed over the ranks."""
-    sharded = row_parallel(linear)
-    (out,) = grouped_linear(_flat(x), [linear.weight], [None if sharded else linear.bias], invariant)
-    return (finish_row_parallel(linear, out) if sharded else out).view(*x.shape[:-1], out.shape[-1])
+    if row_parallel(linear):
+        return row_parallel_product(linear, x, True, invariant)
+    (out,) = grouped_linear(_flat(x), [linear.weight], [linear.bias], invariant)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def fused_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,

@@ -106,6 +106,11 @@ def _configs(n_out: int, width: int, gated: bool, block_m: int, element_size: in
     return fitting(candidates, lambda config: _shared_bytes(config, block_m, gated, element_size), limit)
 
 
+def kernel_takes(rows: int, invariant: bool, max_rows: int) -> bool:
+    """Whether the Triton kernel runs a launch of `rows` rows (else cuBLAS, inside the same op)."""
+    return invariant or rows <= max_rows
+
+
 def grouped_linear(x: torch.Tensor, weights: list, biases: list, invariant: bool = False,
                    max_rows: int | None = None) -> list:
     """x [rows, K] and up to three weights [Nᵢ, K] (biases [Nᵢ] or None) → [rows, Nᵢ] each. `invariant`: a row's
@@ -271,7 +276,7 @@ if TRITON_AVAILABLE:
     @custom_op("hf_blockdiff::grouped_linear", mutates_args=())
     def _grouped_linear_op(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
                            invariant: bool, max_rows: int) -> list[torch.Tensor]:
-        if not invariant and x.shape[0] > max_rows:
+        if not kernel_takes(x.shape[0], invariant, max_rows):
             return grouped_linear_reference(x, weights, biases)
         outputs = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
         _launch(x, weights, biases, outputs, False, invariant)
@@ -285,7 +290,7 @@ if TRITON_AVAILABLE:
     @custom_op("hf_blockdiff::linear_residual", mutates_args=())
     def _linear_residual_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             residual: torch.Tensor, invariant: bool) -> torch.Tensor:
-        if not invariant and x.shape[0] > ONE_WEIGHT_MAX_ROWS:
+        if not kernel_takes(x.shape[0], invariant, ONE_WEIGHT_MAX_ROWS):
             return linear_residual_reference(x, weight, bias, residual)
         out = torch.empty_like(residual)
         _launch(x, [weight], [bias], [out], False, invariant, residual=residual)
@@ -297,7 +302,7 @@ if TRITON_AVAILABLE:
 
     @custom_op("hf_blockdiff::gated_linear", mutates_args=())
     def _gated_linear_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, invariant: bool) -> torch.Tensor:
-        if not invariant and x.shape[0] > MAX_ROWS:
+        if not kernel_takes(x.shape[0], invariant, MAX_ROWS):
             both = stacked([gate, up])
             if both is None:
                 return gated_linear_reference(x, gate, up)

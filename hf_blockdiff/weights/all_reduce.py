@@ -1,7 +1,9 @@
-"""The all-reduce of a row-parallel layer's partial outputs while decoding (`tensor_parallel.sharded_decoding`): on
-CUDA, where torch has symmetric memory (NVLink loads and stores, no multicast), torch's two-shot all-reduce for the
-mid-size messages of a decode step at larger batches; the group's backend (NCCL, gloo) for the small ones and
-beyond the buffer. An op, so torch.compile and CUDA graphs take it as one call (docs/benchmarks.md, "Tensor
+"""A row-parallel layer's output while decoding (`tensor_parallel.sharded_decoding`): this rank's partial product,
+summed over the group's ranks. On CUDA, where torch has symmetric memory (NVLink loads and stores, no multicast),
+torch's two-shot all-reduce sums the mid-size messages of a decode step at larger batches; the group's backend (NCCL,
+gloo) the small ones and those beyond the buffer. One op, the product and its sum, so the product is written where
+the sum reads it: into the symmetric buffer, or into a tensor the backend sums in place, with no copy in between
+(72 copies a forward of SDAR-8B); torch.compile and CUDA graphs take it as one call (docs/benchmarks.md, "Tensor
 parallel").
 
 **No one-shot kernel.** torch's one-shot all-reduce that copies its input into the symmetric buffer
@@ -9,13 +11,16 @@ parallel").
 signals the peers from the block's first threads right after their own copies, with no barrier of the block
 between, so a peer may read before the rest of the block has written (docs/benchmarks.md, "Tensor parallel"). At a
 decode step's small messages NCCL took 1.3 us more per call, and whole steps ran within their spread. The two-shot
-kernel reads only what an earlier kernel wrote (the copy in) and waits for every peer before it returns, so one
+kernel reads only what an earlier kernel wrote (the product) and waits for every peer before it returns, so one
 buffer serves every call."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..kernels.skinny_gemm import ONE_WEIGHT_MAX_ROWS, grouped_linear, kernel_takes
 
 # the op's two-shot and NCCL sums on two H200s (docs/benchmarks.md, "Tensor parallel"): NCCL up to 256 KB (a decode
 # step's reductions at batch 1 are 32 KB), two-shot above (twice NCCL's speed at 2 MB, about a step's at batch 32),
@@ -33,7 +38,7 @@ def kind_of(size: int, dtype: torch.dtype, symmetric: bool) -> str:
 
 
 class Sums:
-    """Sum over one process group's ranks (`kind_of`)."""
+    """Products summed over one process group's ranks (`kind_of`)."""
 
     def __init__(self, group):
         self.group, self.name, self.buffer = group, group.group_name, None
@@ -43,20 +48,27 @@ class Sums:
             self.buffer = symm_mem.empty(TWO_SHOT_BYTES, dtype=torch.uint8, device=device)
             symm_mem.rendezvous(self.buffer, self.name)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        size = x.numel() * x.element_size()
-        if kind_of(size, x.dtype, self.buffer is not None) == "two_shot":
-            # in place, then copied out: its `_out` form waits for the peers once more
-            shared = self.buffer[:size].view(x.dtype)
-            shared.copy_(x.view(-1))
-            torch.ops.symm_mem.two_shot_all_reduce_(shared, "sum", self.name)
-            out.view(-1).copy_(shared)
-        else:
-            out.copy_(x)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: bool) -> torch.Tensor:
+        """x·weightᵀ summed over the ranks (`row_parallel_linear`)."""
+        rows, width = x.shape[0], weight.shape[0]
+        size = rows * width * x.element_size()
+        if kind_of(size, x.dtype, self.buffer is not None) == "backend":
+            out = _product(x, weight, skinny, invariant)
             dist.all_reduce(out, group=self.group)
-        return out
+            return out
+        shared = self.buffer[:size].view(x.dtype).view(rows, width)
+        if skinny and kernel_takes(rows, invariant, ONE_WEIGHT_MAX_ROWS):
+            shared.copy_(_product(x, weight, skinny, invariant))
+        else:
+            torch.mm(x, weight.t(), out=shared)  # cuBLAS, as F.linear runs it, writing into the buffer
+        # in place, then copied out: the `_out` form waits for the peers once more
+        torch.ops.symm_mem.two_shot_all_reduce_(shared, "sum", self.name)
+        return shared.clone()
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: bool) -> torch.Tensor:
+    """x·weightᵀ, a new tensor: the skinny GEMM's op where `skinny` (which takes the rows it runs), else F.linear."""
+    return grouped_linear(x, [weight], [None], invariant)[0] if skinny else F.linear(x, weight)
 
 
 def _symmetric_memory():
@@ -71,20 +83,23 @@ def _symmetric_memory():
 _SUMS: dict[str, Sums] = {}  # by process group name: one symmetric buffer per group, made once, collectively
 
 
-@torch.library.custom_op("hf_blockdiff::partial_sums", mutates_args=())
-def partial_sums(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The sum over the group's ranks of `x`, a row-parallel layer's partial output (an op: torch.compile and CUDA
-    graphs take it as one call)."""
-    return _SUMS[group_name](x)
+@torch.library.custom_op("hf_blockdiff::row_parallel_linear", mutates_args=())
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group_name: str, skinny: bool,
+                        invariant: bool) -> torch.Tensor:
+    """x [rows, K]·weightᵀ, this rank's shard of a row-parallel layer (no bias), summed over the group's ranks;
+    `skinny`: the product on the skinny GEMM where it takes the rows (a fused forward's, `fusion/layers.py`), else
+    F.linear; `invariant`: the skinny GEMM's batch-invariant launch (an op: torch.compile and CUDA graphs take it as
+    one call)."""
+    return _SUMS[group_name].linear(x, weight, skinny, invariant)
 
 
-@partial_sums.register_fake
-def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return x.new_empty(x.shape)  # contiguous, as the op returns it
+@row_parallel_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, group_name: str, skinny: bool, invariant: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def sums_for(group) -> str:
-    """The name `partial_sums` takes for `group`, its buffer made on first use: collective (a symmetric buffer's
+    """The name `row_parallel_linear` takes for `group`, its buffer made on first use: collective (a symmetric buffer's
     rendezvous), so every rank of the group calls it at the same point."""
     if group.group_name not in _SUMS:
         _SUMS[group.group_name] = Sums(group)

@@ -4,6 +4,7 @@ process will hold; `check_shards` refuses uneven splits, `check_fits` a model th
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -29,11 +30,18 @@ def generic_name(name: str) -> str:
 def plan_style(plan: dict[str, str], name: str) -> str | None:
     """The plan's style for parameter `name`: its own rule, else its module's (`layers.*` numbers any layer)."""
     owner = name.rsplit(".", 1)[0]
+    rules = _rule_patterns(tuple(plan.items()))
     for candidate in (name, owner):
-        for rule, style in plan.items():
-            if re.fullmatch(re.escape(rule).replace(r"\*", r"\d+"), candidate):
+        for pattern, style in rules:
+            if pattern.fullmatch(candidate):
                 return style
     return None
+
+
+@functools.lru_cache(maxsize=16)
+def _rule_patterns(rules: tuple[tuple[str, str], ...]) -> tuple[tuple[re.Pattern, str], ...]:
+    """A plan's rules compiled once (`sharded_decoding` matches every sharded layer's name at each call)."""
+    return tuple((re.compile(re.escape(rule).replace(r"\*", r"\d+")), style) for rule, style in rules)
 
 
 @dataclass

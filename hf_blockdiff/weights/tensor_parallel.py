@@ -11,10 +11,10 @@ inside the first attention with a bare reshape error; `check_tensor_parallel` sa
 `shard_layout` before the model is built or loaded).
 
 While decoding, `sharded_decoding` runs the sharded layers on their local shards as plain `nn.Linear` layers, so the
-fused decode paths (`fusion/layers.py`) take them as they take a one-GPU model, and puts one all-reduce of our own
-(`all_reduce.partial_sums`) where transformers' row-wise layers reduce (docs/benchmarks.md, "Tensor parallel"), and
-gives attentions and MLPs whose q/k/v and gate/up shards `load_sharded` packed side by side their stacked weights
-(`packed_shards`).
+fused decode paths (`fusion/layers.py`) take them as they take a one-GPU model, runs the row-wise ones through an op
+of our own, the product and its all-reduce (`all_reduce.row_parallel_linear`; docs/benchmarks.md, "Tensor
+parallel"), and gives attentions and MLPs whose q/k/v and gate/up shards `load_sharded` packed side by side their
+stacked weights (`packed_shards`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .all_reduce import partial_sums, sums_for
+from .all_reduce import row_parallel_linear, sums_for
 from .packed_shards import stacked_projections
 from .shard_layout import plan_style, sharded_dim
 
@@ -86,12 +86,15 @@ def row_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The forward of a row-parallel `nn.Linear` on its local shard (bound to it inside `sharded_decoding`): the
     partial product, summed over the ranks, then the bias once. One function for every layer (an object per layer
     would be a guard per layer to torch.compile, and a recompile at each)."""
-    return finish_row_parallel(self, torch.nn.functional.linear(x, self.weight))
+    return row_parallel_product(self, x, skinny=False)
 
 
-def finish_row_parallel(linear: torch.nn.Linear, partial: torch.Tensor) -> torch.Tensor:
-    """A row-parallel layer's output from this rank's partial product (no bias in it)."""
-    out = partial_sums(partial, getattr(linear, SUMS))
+def row_parallel_product(linear: torch.nn.Linear, x: torch.Tensor, skinny: bool,
+                         invariant: bool = False) -> torch.Tensor:
+    """A row-parallel layer's output for x [..., K]: this rank's product summed over the ranks
+    (`all_reduce.row_parallel_linear`: `skinny` and `invariant` its product's kernel), then the bias."""
+    out = row_parallel_linear(x.reshape(-1, x.shape[-1]), linear.weight, getattr(linear, SUMS), skinny, invariant)
+    out = out.view(*x.shape[:-1], out.shape[-1])
     return out if linear.bias is None else out + linear.bias
 
 
