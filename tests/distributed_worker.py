@@ -13,6 +13,7 @@ import sys
 
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.fusion import layers as fused_layers
+from hf_blockdiff.generation import executor
 from hf_blockdiff.kernels.skinny_gemm import stacked
 from hf_blockdiff.weights.tensor_parallel import layer_stacks
 from hf_blockdiff.generation.engine import kv_bytes_per_token
@@ -88,7 +89,12 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
     wide, stacked_qkv, stacked_mlps = stacked_decode(model, tokenizer) if layers == "compiled" else (None, 0, 0)
     rows, decode = [], model.generate_multi_block
     model.generate_multi_block = lambda ids, *args, **kwargs: rows.append(len(ids)) or decode(ids, *args, **kwargs)
-    completions = generate_distributed(model, PROMPTS, CFG, tokenizer, batch_size=2)
+    shard_scores, score = [], executor.score_vocab_shards  # steps scored from the LM head's vocabulary shards
+    executor.score_vocab_shards = lambda *args: shard_scores.append(args[1]) or score(*args)
+    try:
+        completions = generate_distributed(model, PROMPTS, CFG, tokenizer, batch_size=2)
+    finally:
+        executor.score_vocab_shards = score
     again = generate_distributed(model, PROMPTS[:1], CFG, tokenizer)  # fewer prompts than groups
     try:  # refused before it loads (the head counts are checked against its config), on every process
         load_pretrained(uneven_checkpoint, device, tensor_parallel_size=int(tp_size))
@@ -103,6 +109,7 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
         "packed": packed(model),
         "compiled": compiled_texts,
         "rows": rows,
+        "vocab_shard_starts": sorted(set(shard_scores)),
         "tp_size": model.tp_size,
         "device": model.device.type,
         "cache_kv_heads": model._blockdiff_engine.cache.keys[0].shape[2],

@@ -92,6 +92,8 @@ def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device
     # batches of 2 of the 5 prompts, then of the 1: one group decodes them all; of two groups the first decodes 3
     # prompts and the one, the second 2 prompts and nothing
     assert [r["rows"] for r in reports] == ([[2, 2, 1, 1]] * 2 if processes == 2 else [[2, 1, 1]] * 2 + [[2]] * 2)
+    # every step scored where its logits lie, each process of a group from its half of the tiny vocabulary's 96 ids
+    assert sorted(start for r in reports for start in r["vocab_shard_starts"]) == sorted([0, 48] * (processes // 2))
     for report in reports:  # every process ends with every completion, in input order
         assert report["tp_size"] == 2 and report["device"] == device
         assert report["cache_kv_heads"] == 1  # the tiny model has 2 KV heads: one per process

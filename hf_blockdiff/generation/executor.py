@@ -14,9 +14,11 @@ from ..cache import PagedBlockCache
 from ..config import BlockDiffusionConfig
 from ..scheduler import ForwardLayout, ScoreRequest, Stored
 from ..scheduler.chunks import Chunks
-from ..strategies.scoring import SamplingParams, Scores, logit_salience, penalize_preceding, score_logits
+from ..strategies.scoring import (SamplingParams, Scores, logit_salience, penalize_preceding, score_logits,
+                                  score_vocab_shards, shard_scoring)
 from ..fusion.mode import decoding_mode, few_tokens
 from ..kernels.skinny_gemm import grouped_linear
+from ..weights.tensor_parallel import vocab_shard
 
 
 HEAD_ROWS = 8
@@ -30,6 +32,7 @@ class ModelExecutor:
         self.model, self.cfg, self.backend, self.fusion = model, cfg, backend, fusion
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         self.lm_head = model.get_output_embeddings()
+        self.vocab = vocab_shard(self.lm_head)  # tensor parallel: this process's rows of the LM head
         self.num_rows, self.guided = rows, cfg.guided
         # batch-invariant: every projection and the LM head on the skinny GEMM's invariant launch (fusion/invariant.py)
         self.invariant = backend.batch_invariant
@@ -75,6 +78,10 @@ class ModelExecutor:
         rows, positions = request.rows, request.positions
         index, inside = chunks.locate(rows, positions - int(self.cfg.logit_shift))
         conditional = torch.where(inside[:, None], hidden[index], self.carry[rows])
+        if self.by_vocab_shards(request, hidden_uncond):  # no logits gathered: each process scores its shard
+            logits = self.head(conditional, self.vocab.weight())
+            return score_vocab_shards(logits, self.vocab.first, self.sampling, request.seeds, request.counters,
+                                      self.vocab.gather)
         unconditional = None if hidden_uncond is None else hidden_uncond[index]
         logits = self.logits(None if request.canvas is None else request.canvas[rows], conditional, unconditional)
         if request.preceding is not None:
@@ -84,6 +91,14 @@ class ModelExecutor:
         if request.needs_salience:
             scores.salience = logit_salience(logits)
         return scores
+
+    def by_vocab_shards(self, request: ScoreRequest, hidden_uncond: torch.Tensor | None) -> bool:
+        """Whether the request scores from the LM head's vocabulary shards (`strategies.scoring.shard_scoring`, no
+        guidance, penalty, processor or salience: they read whole rows of logits)."""
+        cfg = self.cfg
+        return (self.vocab is not None and hidden_uncond is None and request.preceding is None
+                and not request.needs_salience and cfg.repetition_penalty == 1.0 and cfg.logits_processor is None
+                and shard_scoring(self.sampling, request.temperature, request.sampling))
 
     def greedy_scores(self, rows: torch.Tensor, canvas: torch.Tensor | None):
         """The greedy pick from the carried hidden states (a storing forward's decision): (token, log-probability,
@@ -95,15 +110,17 @@ class ModelExecutor:
         entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
         return token, logp.gather(1, token[:, None]).squeeze(1), entropy
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, shard: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head on rows padded to a multiple of `HEAD_ROWS`: a CPU GEMM computes the last `rows mod 4`
         rows by another kernel, so without it a row's logits would depend on how many rows share the step
-        (docs/architecture.md, "Serving"); batch-invariant, in the skinny GEMM's invariant launch."""
+        (docs/architecture.md, "Serving"); batch-invariant, in the skinny GEMM's invariant launch. `shard`: this
+        process's rows of the LM head's weight instead of the whole head (its logits of them)."""
         if self.invariant:
-            return grouped_linear(hidden, [self.lm_head.weight], [self.lm_head.bias], invariant=True)[0]
+            weight = self.lm_head.weight if shard is None else shard
+            return grouped_linear(hidden, [weight], [self.lm_head.bias], invariant=True)[0]
         rows = len(hidden)
         padded = torch.nn.functional.pad(hidden, (0, 0, 0, -rows % HEAD_ROWS))
-        return self.lm_head(padded)[:rows]
+        return (self.lm_head(padded) if shard is None else torch.nn.functional.linear(padded, shard))[:rows]
 
     def logits(self, context: torch.Tensor | None, hidden: torch.Tensor,
                hidden_uncond: torch.Tensor | None) -> torch.Tensor:

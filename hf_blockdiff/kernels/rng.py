@@ -32,16 +32,16 @@ def row_keys(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     return fmix32(((seed & MASK32) * GOLDEN32 + (counter & MASK32)) & MASK32)
 
 
-def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform noise in (0, 1), float32 [N, vocab_size]."""
+def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int, first: int = 0) -> torch.Tensor:
+    """Uniform noise in (0, 1), float32 [N, vocab_size], of token ids first, first + 1, ... (a vocabulary shard's)."""
     key = row_keys(seed.long(), counter.long())
-    token_hash = fmix32(torch.arange(vocab_size, device=seed.device, dtype=torch.long))
+    token_hash = fmix32(torch.arange(first, first + vocab_size, device=seed.device, dtype=torch.long))
     h = fmix32(key[:, None] ^ token_hash[None, :])
     return ((h >> 9).to(torch.float32) + 0.5) * (2.0**-23)
 
 
-def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    return -torch.log(-torch.log(uniform_noise(seed, counter, vocab_size)))
+def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int, first: int = 0) -> torch.Tensor:
+    return -torch.log(-torch.log(uniform_noise(seed, counter, vocab_size, first)))
 
 
 TOKEN_SALT = 0x5BD1E995  # keys the token draws apart from the Gumbel noise of the same counter

@@ -14,8 +14,9 @@ import torch
 
 from ..kernels import TRITON_AVAILABLE
 from ..kernels.canvas_scoring import FUSED_PROBS_DTYPES, canvas_score_reference, canvas_score_triton
-from ..kernels.scoring import (distribution_scores, gumbel_argmax, inverse_temperature, score_reference, score_triton,
-                              top_k_filter, top_k_rows, top_p_filter, top_p_rows)
+from ..kernels.scoring import (combine_shards_reference, combine_shards_triton, distribution_scores, gumbel_argmax,
+                              inverse_temperature, score_reference, score_shard_reference, score_shard_triton,
+                              score_triton, top_k_filter, top_k_rows, top_p_filter, top_p_rows)
 
 
 @dataclass
@@ -75,9 +76,8 @@ def score_logits(
     if rows is not None:
         return _score_rows(logits, params, seed, counter, rows)
     sampling = params.temperature > 0
-    simple = temperature is None and params.top_p >= 1.0 and params.confidence == "filtered"
-    if simple and params.precision == "float32":
-        fused = score_triton if logits.is_cuda and TRITON_AVAILABLE else score_reference
+    if fused_scoring(params, temperature):
+        fused = score_triton if _fused_kernels(logits) else score_reference
         return Scores(*fused(logits, params.mask_token_id, params.temperature, params.top_k, seed, counter))
     dtype = torch.float64 if params.precision == "float64" else torch.float32
     raw = logits.to(dtype).clone()
@@ -98,6 +98,35 @@ def score_logits(
         reported = tempered if params.confidence == "unfiltered" else raw
         scores.confidence, scores.entropy, scores.margin, _ = distribution_scores(reported, proposal)
     return scores
+
+
+def fused_scoring(params: SamplingParams, temperature: torch.Tensor | None = None,
+                  rows: RowSampling | None = None) -> bool:
+    """Whether rows score on the fused path (greedy, or one temperature and top-k, float32, the default confidence)."""
+    simple = temperature is None and rows is None and params.top_p >= 1.0 and params.confidence == "filtered"
+    return simple and params.precision == "float32"
+
+
+def shard_scoring(params: SamplingParams, temperature: torch.Tensor | None, rows: RowSampling | None) -> bool:
+    """Whether rows score from vocabulary shards (`score_vocab_shards`): the fused path without top-k (its k-th
+    largest logit would need the shards' top k first)."""
+    return fused_scoring(params, temperature, rows) and params.top_k == 0
+
+
+def score_vocab_shards(logits: torch.Tensor, first: int, params: SamplingParams, seed: torch.Tensor,
+                       counter: torch.Tensor, gather) -> Scores:
+    """`score_logits` of whole rows (`shard_scoring`) from this process's columns of them, logits [n, V / P] of
+    token ids first, first + 1, ...: each process scores its shard (`kernels.scoring.score_shard_reference`), `gather`
+    brings every process's [fields, n] as [P, fields, n] in the order of their ids, and their combination gives the
+    scores (docs/architecture.md, "Around the loop": scoring on the LM head's vocabulary shards)."""
+    fused = _fused_kernels(logits)
+    shard = (score_shard_triton if fused else score_shard_reference)(
+        logits, first, params.mask_token_id, params.temperature, seed, counter)
+    return Scores(*(combine_shards_triton if fused else combine_shards_reference)(gather(shard)))
+
+
+def _fused_kernels(logits: torch.Tensor) -> bool:
+    return logits.is_cuda and TRITON_AVAILABLE
 
 
 def _score_rows(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, counter: torch.Tensor,

@@ -3,7 +3,8 @@
 Under `torchrun`, `from_pretrained(..., tp_plan="auto")` shards q/k/v column-wise by heads, so each process's attention
 sees its local heads and `PagedBlockCache.update` receives local K/V: the cache sizes its page pools from the first
 `update`, so it holds the local KV heads without being told, and `kv_head_shards` tells the KV budget so. Every
-process decodes every prompt (same tokens: the logits are gathered), unlike data parallelism, which splits the prompts
+process decodes every prompt (same tokens: the logits are gathered, or each process scores its vocabulary shard and
+the scores are combined, `vocab_shard`), unlike data parallelism, which splits the prompts
 (both at once: `integrations.distributed`).
 
 transformers loads a model whose head counts do not divide the process count without complaint and then fails
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .all_reduce import row_parallel_linear, sums_for
 from .packed_shards import stacked_projections
@@ -149,6 +152,42 @@ def _local_swaps(model) -> list[tuple[torch.nn.Module, dict, str | None]]:
         group = sums_for(_group(params["weight"])) if style == "rowwise" else None
         swaps.append((module, {key: _local(p) for key, p in params.items()}, group))
     return swaps
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This process's rows of an LM head split by vocabulary over a group (transformers' `colwise_gather_output`
+    gathers the logits of every row; `ModelExecutor.score` scores them where they are, shard by shard)."""
+
+    head: torch.nn.Module
+    first: int  # the token id of this process's first row
+    group: object
+
+    def weight(self) -> torch.nn.Parameter:
+        return _local(self.head.weight)
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every process's `rows` (same shape), stacked in the order of their vocabulary shards."""
+        size = dist.get_world_size(self.group)
+        out = rows.new_empty(size * rows.shape[0], *rows.shape[1:])  # as gloo takes it: along the first dimension
+        dist.all_gather_into_tensor(out, rows.contiguous(), group=self.group)
+        return out.view(size, *rows.shape)
+
+
+def vocab_shard(head: torch.nn.Module | None) -> VocabShard | None:
+    """`head`'s vocabulary shard where tensor parallelism split its weight evenly by rows (no bias), else None."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, DTensor) or getattr(head, "bias", None) is not None:
+        return None
+    placements = list(weight.placements)
+    if placements.count(Shard(0)) != 1 or not all(p == Shard(0) or p.is_replicate() for p in placements):
+        return None
+    group, rows = _group(weight), weight.to_local().shape[0]
+    if rows * dist.get_world_size(group) != weight.shape[0]:
+        return None
+    return VocabShard(head, dist.get_rank(group) * rows, group)
 
 
 def layer_stacks(model) -> list[tuple[torch.nn.Module, torch.nn.ModuleList]]:

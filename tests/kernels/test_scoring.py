@@ -6,7 +6,8 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from hf_blockdiff.kernels.rng import row_key_tl, uniform_noise, uniform_noise_tl  # noqa: E402
-from hf_blockdiff.kernels.scoring import score_reference, score_triton  # noqa: E402
+from hf_blockdiff.kernels.scoring import (combine_shards_reference, combine_shards_triton,  # noqa: E402
+                                          score_reference, score_shard_reference, score_shard_triton, score_triton)
 
 MASK_ID = 5
 
@@ -49,6 +50,33 @@ def test_greedy_matches_reference(dtype, V, device, assert_close, poisoned):
 def test_greedy_full_vocab(device, assert_close, poisoned):
     logits = random_logits(2, 151936, torch.bfloat16, device, seed=0)
     check_scores(logits, 0.0, 0, row_seeds(2, device, 0), assert_close)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("starts", [[0, 500], [0, 3, 300, 301, 900]], ids=["two", "five-uneven"])
+def test_vocabulary_shards_combine_to_whole_rows(temperature, starts, device, assert_close, poisoned):
+    """Each shard's state by the kernel is its reference's; combined (kernel and reference), the shards give the
+    whole rows' scores: the proposal token for token (sampled: the noise of the shard's own ids; a tie across shards
+    to the lowest id; the mask token's id, in the first or a later shard, never), the statistics as fp64's."""
+    V = 1001
+    logits = random_logits(6, V, torch.float32, device, seed=11)
+    logits[1, [10, 700]] = logits[1].sort(descending=True).values[1] + 1.0  # a tie across shards, below the mask's
+    seeds = row_seeds(6, device, 3)
+    shards = []
+    for first, end in zip(starts, starts[1:] + [V]):
+        shard = score_shard_triton(logits[:, first:end], first, MASK_ID, temperature, *seeds, block_v=256)
+        reference = score_shard_reference(logits[:, first:end], first, MASK_ID, temperature, *seeds)
+        assert torch.equal(shard[-1], reference[-1])  # the pick's id
+        torch.testing.assert_close(shard, reference, rtol=1e-5, atol=1e-5)
+        shards.append(reference)
+    whole = score_reference(logits, MASK_ID, temperature, 0, *seeds)
+    exact = score_reference(logits.double(), MASK_ID, temperature, 0, *seeds)
+    assert temperature > 0 or whole[0][1] == 10
+    for combine in (combine_shards_triton, combine_shards_reference):
+        out = combine(torch.stack(shards))
+        assert torch.equal(out[0], whole[0])
+        for got, ref in zip(out[1:], exact[1:]):
+            assert_close(got, ref, torch.float32)
 
 
 def test_greedy_ties_go_to_lowest_id(device, poisoned):
