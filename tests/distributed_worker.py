@@ -15,6 +15,7 @@ from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.fusion import layers as fused_layers
 from hf_blockdiff.generation import executor
 from hf_blockdiff.kernels.skinny_gemm import stacked
+from hf_blockdiff.weights.all_reduce import Sums
 from hf_blockdiff.weights.tensor_parallel import layer_stacks
 from hf_blockdiff.generation.engine import kv_bytes_per_token
 from hf_blockdiff.integrations.checkpoint import load_pretrained
@@ -58,6 +59,18 @@ def stacked_decode(model, tokenizer) -> tuple[list[str], int, int]:
     return [c.text for c in wide], calls.count(True), calls.count("mlp")
 
 
+def counting_sums(run) -> tuple[object, list[int]]:
+    """run(), and how many row-parallel sums it ran with the post-attention norm, and with a residual added (the
+    compiled layers' regions hand both to the op: fusion/layers.py, `attention_residual_norm`, `mlp_residual`)."""
+    calls, with_norm, linear = [], Sums.linear_norm, Sums.linear
+    Sums.linear_norm = lambda self, *args: calls.append("norm") or with_norm(self, *args)
+    Sums.linear = lambda self, *args: calls.append(len(args) > 4 and args[4] is not None) or linear(self, *args)
+    try:
+        return run(), [calls.count("norm"), calls.count(True)]
+    finally:
+        Sums.linear_norm, Sums.linear = with_norm, linear
+
+
 def command_line(checkpoint: str, tp_size: str, device: str, source: str) -> dict:
     """The CLI's `generate` of `source` (CFG's settings) and its `bench` of the tiny shape, both with this launch's
     groups: their exit codes, what they printed and what `generate` wrote (SOURCE.out.jsonl, by the first process)."""
@@ -84,8 +97,9 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
     model, tokenizer = load_pretrained(checkpoint, device, tensor_parallel_size=int(tp_size))
     before = sharding(model)
     compiled = CFG.replace(compile=True, cuda_graphs=True)  # the graphs' fixed shapes with the collectives inside
-    compiled_texts = ([c.text for c in generate_distributed(model, PROMPTS, compiled, tokenizer, batch_size=2)]
-                      if layers == "compiled" else None)
+    compiled_texts, residual_sums = (counting_sums(lambda: [
+        c.text for c in generate_distributed(model, PROMPTS, compiled, tokenizer, batch_size=2)])
+        if layers == "compiled" else (None, [0, 0]))
     wide, stacked_qkv, stacked_mlps = stacked_decode(model, tokenizer) if layers == "compiled" else (None, 0, 0)
     rows, decode = [], model.generate_multi_block
     model.generate_multi_block = lambda ids, *args, **kwargs: rows.append(len(ids)) or decode(ids, *args, **kwargs)
@@ -108,6 +122,7 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
         "stacked": [stacked_qkv, stacked_mlps],
         "packed": packed(model),
         "compiled": compiled_texts,
+        "residual_sums": residual_sums,
         "rows": rows,
         "vocab_shard_starts": sorted(set(shard_scores)),
         "tp_size": model.tp_size,

@@ -103,6 +103,8 @@ def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device
         if processes == 2:  # past the kernel's rows too, through the stacked q/k/v (weights/packed_shards.py)
             assert report["wide"] == expected * 4 and min(report["stacked"]) > 0  # q/k/v and MLP forwards
         assert report["compiled"] == (expected if processes == 2 else None)
+        # the compiled layers' sums took the residual stream, and the post-attention norm
+        assert (min(report["residual_sums"]) > 0) == (processes == 2)
         assert report["unchanged"]
         assert "num_key_value_heads=1 is not divisible by 2" in report["uneven_error"]
     if processes == 4:  # the CLI's `generate` in input order, and the bench's two prompts split between the groups
@@ -133,14 +135,15 @@ def test_tensor_parallel_on_gpus_matches_one_gpu(checkpoint, tmp_path, processes
 def test_row_parallel_sums_on_gpus_are_exact(tmp_path):
     """The row-parallel products summed over NCCL and symmetric memory (tests/all_reduce_worker.py): 48 different
     products back to back at each of three sizes (NCCL, two-shot at the smallest and the largest size it takes; the
-    skinny GEMM's product summed in place and copied into the buffer, cuBLAS's written into it), eagerly and from
-    twenty replays of a CUDA graph, one rank's memory busy beside them; not one wrong sum. torch's one-shot kernel,
+    skinny GEMM's product summed in place and copied into the buffer, cuBLAS's written into it), each alone, with a
+    residual and with a norm after, eagerly and from twenty replays of a CUDA graph, one rank's memory busy beside
+    them; not one wrong sum or norm. torch's one-shot kernel,
     which the op took for small messages until 2026-11-27, summed wrong here (docs/benchmarks.md, "Tensor
     parallel")."""
     report_path = tmp_path / "sums.json"
     torchrun(Path(__file__).parent / "all_reduce_worker.py", report_path, timeout=180, env=None)
     report = json.loads(report_path.read_text())
-    assert [r["kind"] for r in report.values()] == ["backend", "two_shot", "two_shot"]
+    assert [r["kind"] for r in report.values()] == ["backend"] * 3 + ["two_shot"] * 6
     assert all(r["eager"] == 0 and r["replays"] == 0 for r in report.values()), report
 
 

@@ -46,7 +46,7 @@ from ..kernels import TRITON_AVAILABLE
 from ..kernels.rmsnorm import add_rms_norm
 from ..kernels.skinny_gemm import MAX_ROWS, gated_linear, grouped_linear, linear_residual
 from ..weights.packed_shards import STACKED_GATE_UP, STACKED_QKV, STACKED_QKV_BIAS
-from ..weights.tensor_parallel import row_parallel, row_parallel_product
+from ..weights.tensor_parallel import row_parallel, row_parallel_norm, row_parallel_product
 
 GATED_MLPS = (LlamaMLP, Qwen2MLP, Qwen3MLP, Qwen3MoeMLP)
 QWEN_ATTENTIONS = (Qwen2Attention, Qwen3Attention, Qwen3MoeAttention)  # one forward (q/k norms optional)
@@ -74,32 +74,60 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _project(linear: torch.nn.Linear, x: torch.Tensor, invariant: bool) -> torch.Tensor:
-    """`linear(x)`; a row-parallel layer's partial product summed over the ranks."""
+def _project(linear: torch.nn.Linear, x: torch.Tensor, invariant: bool,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear(x)`, plus `residual` in the product's launch where given; a row-parallel layer's partial product summed
+    over the ranks (the residual added with the sum)."""
     if row_parallel(linear):
-        return row_parallel_product(linear, x, True, invariant)
-    (out,) = grouped_linear(_flat(x), [linear.weight], [linear.bias], invariant)
+        return row_parallel_product(linear, x, True, invariant, residual)
+    if residual is None:
+        (out,) = grouped_linear(_flat(x), [linear.weight], [linear.bias], invariant)
+    else:
+        out = linear_residual(_flat(x), linear.weight, linear.bias, _flat(residual), invariant)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def fused_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                       invariant: bool = False) -> torch.Tensor:
-    """The gated MLP; `residual`: added in the down projection's launch (`fused_layer_forward`); `invariant`: the
-    skinny GEMMs' batch-invariant launches (every forward below takes it)."""
+    """The gated MLP; `residual`: added in the down projection's launch (`fused_layer_forward`, `mlp_residual`);
+    `invariant`: the skinny GEMMs' batch-invariant launches (every forward below takes it)."""
     hidden = gated_linear(_flat(x), self.gate_proj.weight, self.up_proj.weight, invariant)
-    down = self.down_proj
-    if residual is None or row_parallel(down):  # a partial product: the residual after the sum
-        out = _project(down, hidden.view(*x.shape[:-1], hidden.shape[-1]), invariant)
-        return out if residual is None else out + residual
-    return linear_residual(hidden, down.weight, down.bias, _flat(residual), invariant).view(residual.shape)
+    return _project(self.down_proj, hidden.view(*x.shape[:-1], hidden.shape[-1]), invariant, residual)
 
 
-def stacked_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+def stacked_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The gated MLP in forwards of more rows than the skinny kernel takes, given its gate and up stacked (a sharded
     model's call, `weights/packed_shards.py`): one GEMM for both, then the stock steps (compiled, inductor fuses the
-    activation and the product as in the stock MLP)."""
+    activation and the product as in the stock MLP); `residual`: added with the row-parallel down projection's sum
+    (`mlp_residual`)."""
     gate, up = F.linear(x, getattr(self, STACKED_GATE_UP)).split(self.gate_proj.weight.shape[0], dim=-1)
-    return self.down_proj(self.act_fn(gate) * up)
+    hidden = self.act_fn(gate) * up
+    if residual is None:
+        return self.down_proj(hidden)
+    return row_parallel_product(self.down_proj, hidden, False, residual=residual)
+
+
+RESIDUAL_MLPS = (fused_mlp_forward, stacked_mlp_forward)  # the MLP forwards that take the residual stream
+
+
+def mlp_residual(mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + mlp(x): added with the down projection's sum where it is row-parallel and the MLP runs one of
+    `RESIDUAL_MLPS` (a sharded model's decoding: no launch of its own), else after."""
+    if row_parallel(getattr(mlp, "down_proj", None)) and getattr(mlp.forward, "__func__", None) in RESIDUAL_MLPS:
+        return mlp(x, residual=residual)
+    return residual + mlp(x)
+
+
+def attention_residual_norm(attention: torch.nn.Module, attended: torch.Tensor, residual: torch.Tensor,
+                            norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual + the attention's output projection of `attended`, and `norm` of it (a decoder layer's post-attention
+    RMSNorm); for a row-parallel projection without bias and a stock norm, both in the sum's op, which reads the sum
+    out of the symmetric buffer adding the residual and normalizing (`weights/all_reduce.py`)."""
+    o_proj = attention.o_proj
+    if row_parallel(o_proj) and o_proj.bias is None and type(norm) in RMS_NORMS and unhooked(norm):
+        return row_parallel_norm(o_proj, attended.reshape(*attended.shape[:2], -1).contiguous(), residual, norm)
+    hidden_states = residual + output_projection(attention, attended)
+    return hidden_states, norm(hidden_states)
 
 
 def stock_with_cache(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,

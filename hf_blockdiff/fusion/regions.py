@@ -29,7 +29,8 @@ import torch
 
 from .ahead_of_time import EAGER, AheadOfTime
 from .layers import (
-    DECODER_LAYERS, attend, output_projection, query_key_value, rotates_in_cache_now, stock_with_cache, unhooked,
+    DECODER_LAYERS, attend, attention_residual_norm, mlp_residual, query_key_value, rotates_in_cache_now,
+    stock_with_cache, unhooked,
 )
 
 
@@ -39,8 +40,9 @@ def before_attention(layer, hidden_states, position_embeddings, rotary_in_cache:
 
 
 def after_attention(layer, attended, residual):
-    hidden_states = residual + output_projection(layer.self_attn, attended)
-    return hidden_states + layer.mlp(layer.post_attention_layernorm(hidden_states))
+    hidden_states, normed = attention_residual_norm(layer.self_attn, attended, residual,
+                                                    layer.post_attention_layernorm)
+    return mlp_residual(layer.mlp, normed, hidden_states)
 
 
 @functools.cache

@@ -3,7 +3,10 @@ summed over the group's ranks. On CUDA, where torch has symmetric memory (NVLink
 torch's two-shot all-reduce sums the mid-size messages of a decode step at larger batches; the group's backend (NCCL,
 gloo) the small ones and those beyond the buffer. One op, the product and its sum, so the product is written where
 the sum reads it: into the symmetric buffer, or into a tensor the backend sums in place, with no copy in between
-(72 copies a forward of SDAR-8B); torch.compile and CUDA graphs take it as one call (docs/benchmarks.md, "Tensor
+(72 copies a forward of SDAR-8B); given the decoder layer's residual stream, the op adds it where the sum leaves
+(in the first rank's product, which the backend sums with the others, or in the launch that reads the sum out of the
+symmetric buffer, with the post-attention RMSNorm where asked: `row_parallel_linear_norm`), so the copy out of the
+buffer is not a launch of its own; torch.compile and CUDA graphs take it as one call (docs/benchmarks.md, "Tensor
 parallel").
 
 **No one-shot kernel.** torch's one-shot all-reduce that copies its input into the symmetric buffer
@@ -20,7 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..kernels.skinny_gemm import ONE_WEIGHT_MAX_ROWS, grouped_linear, kernel_takes
+from ..kernels import TRITON_AVAILABLE
+from ..kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from ..kernels.skinny_gemm import ONE_WEIGHT_MAX_ROWS, grouped_linear, kernel_takes, linear_residual
 
 # the op's two-shot and NCCL sums on two H200s (docs/benchmarks.md, "Tensor parallel"): NCCL up to 256 KB (a decode
 # step's reductions at batch 1 are 32 KB), two-shot above (twice NCCL's speed at 2 MB, about a step's at batch 32),
@@ -38,37 +43,65 @@ def kind_of(size: int, dtype: torch.dtype, symmetric: bool) -> str:
 
 
 class Sums:
-    """Products summed over one process group's ranks (`kind_of`)."""
+    """Products summed over one process group's ranks (`kind_of`), with the residual stream added."""
 
     def __init__(self, group):
         self.group, self.name, self.buffer = group, group.group_name, None
+        self.carries_residual = dist.get_rank(group) == 0  # the backend's sum: the first rank's product carries it
         symm_mem = _symmetric_memory() if dist.get_backend(group) == "nccl" else None
         if symm_mem is not None:
             device = torch.device("cuda", torch.cuda.current_device())
             self.buffer = symm_mem.empty(TWO_SHOT_BYTES, dtype=torch.uint8, device=device)
             symm_mem.rendezvous(self.buffer, self.name)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: bool) -> torch.Tensor:
-        """x·weightᵀ summed over the ranks (`row_parallel_linear`)."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: bool,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """[residual +] x·weightᵀ summed over the ranks (`row_parallel_linear`)."""
+        shared = self._two_shot(x, weight, skinny, invariant)
+        if shared is None:
+            out = _product(x, weight, skinny, invariant, residual if self.carries_residual else None)
+            dist.all_reduce(out, group=self.group)
+            return out
+        return shared.clone() if residual is None else residual + shared  # out of the buffer, the residual added
+
+    def linear_norm(self, x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: bool,
+                    residual: torch.Tensor, norm: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x·weightᵀ summed over the ranks, its RMSNorm) (`row_parallel_linear_norm`)."""
+        shared = self._two_shot(x, weight, skinny, invariant)
+        if shared is None:
+            hidden = self.linear(x, weight, skinny, invariant, residual)
+            return hidden, (rms_norm if _triton_runs(x) else rms_norm_reference)(hidden, norm, eps)
+        return (add_rms_norm if _triton_runs(x) else add_rms_norm_reference)(residual, shared, norm, eps)
+
+    def _two_shot(self, x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: bool) -> torch.Tensor | None:
+        """x·weightᵀ summed in the symmetric buffer by the two-shot kernel (a view of it) where `kind_of` takes it,
+        else None (nothing run)."""
         rows, width = x.shape[0], weight.shape[0]
         size = rows * width * x.element_size()
         if kind_of(size, x.dtype, self.buffer is not None) == "backend":
-            out = _product(x, weight, skinny, invariant)
-            dist.all_reduce(out, group=self.group)
-            return out
+            return None
         shared = self.buffer[:size].view(x.dtype).view(rows, width)
         if skinny and kernel_takes(rows, invariant, ONE_WEIGHT_MAX_ROWS):
             shared.copy_(_product(x, weight, skinny, invariant))
         else:
             torch.mm(x, weight.t(), out=shared)  # cuBLAS, as F.linear runs it, writing into the buffer
-        # in place, then copied out: the `_out` form waits for the peers once more
+        # in place, then copied out by the caller: the `_out` form waits for the peers once more
         torch.ops.symm_mem.two_shot_all_reduce_(shared, "sum", self.name)
-        return shared.clone()
+        return shared
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: bool) -> torch.Tensor:
-    """x·weightᵀ, a new tensor: the skinny GEMM's op where `skinny` (which takes the rows it runs), else F.linear."""
-    return grouped_linear(x, [weight], [None], invariant)[0] if skinny else F.linear(x, weight)
+def _product(x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: bool,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """[residual +] x·weightᵀ, a new tensor, in one launch: the skinny GEMM's op where `skinny` (which takes the rows
+    it runs), else cuBLAS."""
+    if skinny:
+        return (grouped_linear(x, [weight], [None], invariant)[0] if residual is None else
+                linear_residual(x, weight, None, residual, invariant))
+    return F.linear(x, weight) if residual is None else torch.addmm(residual, x, weight.t())
+
+
+def _triton_runs(x: torch.Tensor) -> bool:
+    return x.is_cuda and TRITON_AVAILABLE
 
 
 def _symmetric_memory():
@@ -84,18 +117,35 @@ _SUMS: dict[str, Sums] = {}  # by process group name: one symmetric buffer per g
 
 
 @torch.library.custom_op("hf_blockdiff::row_parallel_linear", mutates_args=())
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group_name: str, skinny: bool,
-                        invariant: bool) -> torch.Tensor:
-    """x [rows, K]·weightᵀ, this rank's shard of a row-parallel layer (no bias), summed over the group's ranks;
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group_name: str, skinny: bool, invariant: bool,
+                        residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, K]·weightᵀ, this rank's shard of a row-parallel layer (no bias), summed over the group's ranks, plus
+    `residual` [rows, N] where given (in the first rank's product, or in the copy out of the symmetric buffer);
     `skinny`: the product on the skinny GEMM where it takes the rows (a fused forward's, `fusion/layers.py`), else
-    F.linear; `invariant`: the skinny GEMM's batch-invariant launch (an op: torch.compile and CUDA graphs take it as
+    cuBLAS; `invariant`: the skinny GEMM's batch-invariant launch (an op: torch.compile and CUDA graphs take it as
     one call)."""
-    return _SUMS[group_name].linear(x, weight, skinny, invariant)
+    return _SUMS[group_name].linear(x, weight, skinny, invariant, residual)
 
 
 @row_parallel_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, group_name: str, skinny: bool, invariant: bool) -> torch.Tensor:
+def _(x, weight, group_name, skinny, invariant, residual=None):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("hf_blockdiff::row_parallel_linear_norm", mutates_args=())
+def row_parallel_linear_norm(x: torch.Tensor, weight: torch.Tensor, group_name: str, skinny: bool, invariant: bool,
+                             residual: torch.Tensor, norm: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`row_parallel_linear` with `residual`, its RMSNorm of weight `norm`), as a decoder layer computes its residual
+    stream and post-attention norm: from the symmetric buffer in one launch (`add_rms_norm`) instead of a copy out
+    and an add and norm after."""
+    return _SUMS[group_name].linear_norm(x, weight, skinny, invariant, residual, norm, eps)
+
+
+@row_parallel_linear_norm.register_fake
+def _(x, weight, group_name, skinny, invariant, residual, norm, eps):
+    hidden = x.new_empty(x.shape[0], weight.shape[0])
+    return hidden, hidden.new_empty(hidden.shape, dtype=torch.promote_types(norm.dtype, x.dtype))
 
 
 def sums_for(group) -> str:

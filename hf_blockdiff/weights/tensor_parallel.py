@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .all_reduce import row_parallel_linear, sums_for
+from .all_reduce import row_parallel_linear, row_parallel_linear_norm, sums_for
 from .packed_shards import stacked_projections
 from .shard_layout import plan_style, sharded_dim
 
@@ -92,13 +92,25 @@ def row_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
     return row_parallel_product(self, x, skinny=False)
 
 
-def row_parallel_product(linear: torch.nn.Linear, x: torch.Tensor, skinny: bool,
-                         invariant: bool = False) -> torch.Tensor:
+def row_parallel_product(linear: torch.nn.Linear, x: torch.Tensor, skinny: bool, invariant: bool = False,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
     """A row-parallel layer's output for x [..., K]: this rank's product summed over the ranks
-    (`all_reduce.row_parallel_linear`: `skinny` and `invariant` its product's kernel), then the bias."""
-    out = row_parallel_linear(x.reshape(-1, x.shape[-1]), linear.weight, getattr(linear, SUMS), skinny, invariant)
+    (`all_reduce.row_parallel_linear`: `skinny` and `invariant` its product's kernel), then the bias; plus `residual`
+    [..., N] where given (added with the sum)."""
+    flat = None if residual is None else residual.reshape(-1, residual.shape[-1])
+    out = row_parallel_linear(x.reshape(-1, x.shape[-1]), linear.weight, getattr(linear, SUMS), skinny, invariant, flat)
     out = out.view(*x.shape[:-1], out.shape[-1])
     return out if linear.bias is None else out + linear.bias
+
+
+def row_parallel_norm(linear: torch.nn.Linear, x: torch.Tensor, residual: torch.Tensor,
+                      norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + a row-parallel layer's output for x, `norm`'s RMSNorm of it) through the skinny GEMM's product
+    (`all_reduce.row_parallel_linear_norm`); a layer without bias, a norm with `weight` and `variance_epsilon`."""
+    hidden, normed = row_parallel_linear_norm(x.reshape(-1, x.shape[-1]), linear.weight, getattr(linear, SUMS), True,
+                                              False, residual.reshape(-1, residual.shape[-1]), norm.weight,
+                                              norm.variance_epsilon)
+    return hidden.view(residual.shape), normed.view(residual.shape)
 
 
 def row_parallel(module: torch.nn.Module) -> bool:
