@@ -60,8 +60,9 @@ def stacked_decode(model, tokenizer) -> tuple[list[str], int, int]:
 
 
 def counting_sums(run) -> tuple[object, list[int]]:
-    """run(), and how many row-parallel sums it ran with the post-attention norm, and with a residual added (the
-    compiled layers' regions hand both to the op: fusion/layers.py, `attention_residual_norm`, `mlp_residual`)."""
+    """run(), and how many row-parallel sums it ran with the post-attention norm (after the attention:
+    fusion/layers.py, `attention_residual_norm`) and how many with a residual added alone (after the MLP:
+    `mlp_residual`), as the compiled layers' regions hand them to the op."""
     calls, with_norm, linear = [], Sums.linear_norm, Sums.linear
     Sums.linear_norm = lambda self, *args: calls.append("norm") or with_norm(self, *args)
     Sums.linear = lambda self, *args: calls.append(len(args) > 4 and args[4] is not None) or linear(self, *args)

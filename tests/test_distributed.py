@@ -103,7 +103,7 @@ def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device
         if processes == 2:  # past the kernel's rows too, through the stacked q/k/v (weights/packed_shards.py)
             assert report["wide"] == expected * 4 and min(report["stacked"]) > 0  # q/k/v and MLP forwards
         assert report["compiled"] == (expected if processes == 2 else None)
-        # the compiled layers' sums took the residual stream, and the post-attention norm
+        # the compiled layers' sums took the post-attention norm (after the attention) and the residual (after the MLP)
         assert (min(report["residual_sums"]) > 0) == (processes == 2)
         assert report["unchanged"]
         assert "num_key_value_heads=1 is not divisible by 2" in report["uneven_error"]

@@ -108,9 +108,9 @@ def fused_scoring(params: SamplingParams, temperature: torch.Tensor | None = Non
 
 
 def shard_scoring(params: SamplingParams, temperature: torch.Tensor | None, rows: RowSampling | None) -> bool:
-    """Whether rows score from vocabulary shards (`score_vocab_shards`): the fused path without top-k (its k-th
-    largest logit would need the shards' top k first)."""
-    return fused_scoring(params, temperature, rows) and params.top_k == 0
+    """Whether rows score from vocabulary shards (`score_vocab_shards`): the fused path without top-k filtering (its
+    k-th largest logit would need the shards' top k first; greedy scoring filters nothing)."""
+    return fused_scoring(params, temperature, rows) and (params.temperature == 0 or params.top_k <= 0)
 
 
 def score_vocab_shards(logits: torch.Tensor, first: int, params: SamplingParams, seed: torch.Tensor,

@@ -59,9 +59,7 @@ class Sums:
         """[residual +] x·weightᵀ summed over the ranks (`row_parallel_linear`)."""
         shared = self._two_shot(x, weight, skinny, invariant)
         if shared is None:
-            out = _product(x, weight, skinny, invariant, residual if self.carries_residual else None)
-            dist.all_reduce(out, group=self.group)
-            return out
+            return self._backend_sum(x, weight, skinny, invariant, residual)
         return shared.clone() if residual is None else residual + shared  # out of the buffer, the residual added
 
     def linear_norm(self, x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: bool,
@@ -69,9 +67,17 @@ class Sums:
         """(residual + x·weightᵀ summed over the ranks, its RMSNorm) (`row_parallel_linear_norm`)."""
         shared = self._two_shot(x, weight, skinny, invariant)
         if shared is None:
-            hidden = self.linear(x, weight, skinny, invariant, residual)
+            hidden = self._backend_sum(x, weight, skinny, invariant, residual)
             return hidden, (rms_norm if _triton_runs(x) else rms_norm_reference)(hidden, norm, eps)
         return (add_rms_norm if _triton_runs(x) else add_rms_norm_reference)(residual, shared, norm, eps)
+
+    def _backend_sum(self, x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: bool,
+                     residual: torch.Tensor | None) -> torch.Tensor:
+        """[residual +] x·weightᵀ summed in place by the group's backend, the first rank's product carrying the
+        residual."""
+        out = _product(x, weight, skinny, invariant, residual if self.carries_residual else None)
+        dist.all_reduce(out, group=self.group)
+        return out
 
     def _two_shot(self, x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: bool) -> torch.Tensor | None:
         """x·weightᵀ summed in the symmetric buffer by the two-shot kernel (a view of it) where `kind_of` takes it,

@@ -188,11 +188,11 @@ class VocabShard:
 
 def vocab_shard(head: torch.nn.Module | None) -> VocabShard | None:
     """`head`'s vocabulary shard where tensor parallelism split its weight evenly by rows (no bias), else None."""
-    from torch.distributed.tensor import DTensor, Shard
-
     weight = getattr(head, "weight", None)
-    if not isinstance(weight, DTensor) or getattr(head, "bias", None) is not None:
+    if not hasattr(weight, "placements") or getattr(head, "bias", None) is not None:  # not a DTensor
         return None
+    from torch.distributed.tensor import Shard
+
     placements = list(weight.placements)
     if placements.count(Shard(0)) != 1 or not all(p == Shard(0) or p.is_replicate() for p in placements):
         return None

@@ -53,26 +53,30 @@ def test_greedy_full_vocab(device, assert_close, poisoned):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("starts", [[0, 500], [0, 3, 300, 301, 900]], ids=["two", "five-uneven"])
+@pytest.mark.parametrize("starts", [[0, 500], [0, 3, MASK_ID, MASK_ID + 1, 301, 900]], ids=["two", "six-uneven"])
 def test_vocabulary_shards_combine_to_whole_rows(temperature, starts, device, assert_close, poisoned):
-    """Each shard's state by the kernel is its reference's; combined (kernel and reference), the shards give the
-    whole rows' scores: the proposal token for token (sampled: the noise of the shard's own ids; a tie across shards
-    to the lowest id; the mask token's id, in the first or a later shard, never), the statistics as fp64's."""
+    """Each shard's state by the kernel is its reference's; combined (the kernel's states by the kernel, the
+    reference's by the reference), the shards give the whole rows' scores: the proposal token for token (sampled: the
+    noise of the shard's own ids; a tie across shards to the lowest id; the mask token's id, in the first shard or
+    alone in one of its own, all -inf, never), the statistics as fp64's."""
     V = 1001
     logits = random_logits(6, V, torch.float32, device, seed=11)
     logits[1, [10, 700]] = logits[1].sort(descending=True).values[1] + 1.0  # a tie across shards, below the mask's
     seeds = row_seeds(6, device, 3)
-    shards = []
+    states = {combine_shards_triton: [], combine_shards_reference: []}
     for first, end in zip(starts, starts[1:] + [V]):
         shard = score_shard_triton(logits[:, first:end], first, MASK_ID, temperature, *seeds, block_v=256)
         reference = score_shard_reference(logits[:, first:end], first, MASK_ID, temperature, *seeds)
-        assert torch.equal(shard[-1], reference[-1])  # the pick's id
-        torch.testing.assert_close(shard, reference, rtol=1e-5, atol=1e-5)
-        shards.append(reference)
+        picked = reference[-2].isfinite()  # a shard of no finite logit (the mask's alone) picks no id that can win
+        assert picked.any() or first == MASK_ID
+        assert torch.equal(shard[-1][picked], reference[-1][picked])  # the pick's id
+        torch.testing.assert_close(shard[:-1], reference[:-1], rtol=1e-5, atol=1e-5)
+        states[combine_shards_triton].append(shard)
+        states[combine_shards_reference].append(reference)
     whole = score_reference(logits, MASK_ID, temperature, 0, *seeds)
     exact = score_reference(logits.double(), MASK_ID, temperature, 0, *seeds)
     assert temperature > 0 or whole[0][1] == 10
-    for combine in (combine_shards_triton, combine_shards_reference):
+    for combine, shards in states.items():
         out = combine(torch.stack(shards))
         assert torch.equal(out[0], whole[0])
         for got, ref in zip(out[1:], exact[1:]):
