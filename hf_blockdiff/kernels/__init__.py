@@ -16,3 +16,8 @@ except ImportError:
 def require_triton(what: str) -> None:
     if not TRITON_AVAILABLE:
         raise RuntimeError(f"{what} needs Triton; install it with `pip install triton` or use the torch reference")
+
+
+def runs_triton(tensor) -> bool:
+    """Whether the fused Triton kernels take `tensor` (CUDA, Triton installed); else their torch references do."""
+    return tensor.is_cuda and TRITON_AVAILABLE

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import TRITON_AVAILABLE
+from ..kernels import runs_triton
 from ..kernels.canvas_scoring import FUSED_PROBS_DTYPES, canvas_score_reference, canvas_score_triton
 from ..kernels.scoring import (combine_shards_reference, combine_shards_triton, distribution_scores, gumbel_argmax,
                               inverse_temperature, score_reference, score_shard_reference, score_shard_triton,
@@ -77,7 +77,7 @@ def score_logits(
         return _score_rows(logits, params, seed, counter, rows)
     sampling = params.temperature > 0
     if fused_scoring(params, temperature):
-        fused = score_triton if _fused_kernels(logits) else score_reference
+        fused = score_triton if runs_triton(logits) else score_reference
         return Scores(*fused(logits, params.mask_token_id, params.temperature, params.top_k, seed, counter))
     dtype = torch.float64 if params.precision == "float64" else torch.float32
     raw = logits.to(dtype).clone()
@@ -119,14 +119,10 @@ def score_vocab_shards(logits: torch.Tensor, first: int, params: SamplingParams,
     token ids first, first + 1, ...: each process scores its shard (`kernels.scoring.score_shard_reference`), `gather`
     brings every process's [fields, n] as [P, fields, n] in the order of their ids, and their combination gives the
     scores (docs/architecture.md, "Around the loop": scoring on the LM head's vocabulary shards)."""
-    fused = _fused_kernels(logits)
+    fused = runs_triton(logits)
     shard = (score_shard_triton if fused else score_shard_reference)(
         logits, first, params.mask_token_id, params.temperature, seed, counter)
     return Scores(*(combine_shards_triton if fused else combine_shards_reference)(gather(shard)))
-
-
-def _fused_kernels(logits: torch.Tensor) -> bool:
-    return logits.is_cuda and TRITON_AVAILABLE
 
 
 def _score_rows(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, counter: torch.Tensor,
@@ -150,6 +146,6 @@ def score_canvas(logits: torch.Tensor, softcap: float | None, temperature: torch
                  counter: torch.Tensor, probs_dtype: torch.dtype):
     """A DiffusionGemma step's (sample, argmax, entropy, logprob, probs) from raw LM-head logits [n, V]: the fused
     kernel on CUDA, its torch reference elsewhere (`kernels.canvas_scoring`)."""
-    fused = logits.is_cuda and TRITON_AVAILABLE and probs_dtype in FUSED_PROBS_DTYPES
+    fused = runs_triton(logits) and probs_dtype in FUSED_PROBS_DTYPES
     score = canvas_score_triton if fused else canvas_score_reference
     return score(logits, softcap, temperature, seed, counter, probs_dtype)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..kernels import TRITON_AVAILABLE
+from ..kernels import runs_triton
 from ..kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from ..kernels.skinny_gemm import ONE_WEIGHT_MAX_ROWS, grouped_linear, kernel_takes, linear_residual
 
@@ -68,8 +68,8 @@ class Sums:
         shared = self._two_shot(x, weight, skinny, invariant)
         if shared is None:
             hidden = self._backend_sum(x, weight, skinny, invariant, residual)
-            return hidden, (rms_norm if _triton_runs(x) else rms_norm_reference)(hidden, norm, eps)
-        return (add_rms_norm if _triton_runs(x) else add_rms_norm_reference)(residual, shared, norm, eps)
+            return hidden, (rms_norm if runs_triton(x) else rms_norm_reference)(hidden, norm, eps)
+        return (add_rms_norm if runs_triton(x) else add_rms_norm_reference)(residual, shared, norm, eps)
 
     def _backend_sum(self, x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: bool,
                      residual: torch.Tensor | None) -> torch.Tensor:
@@ -104,10 +104,6 @@ def _product(x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: boo
         return (grouped_linear(x, [weight], [None], invariant)[0] if residual is None else
                 linear_residual(x, weight, None, residual, invariant))
     return F.linear(x, weight) if residual is None else torch.addmm(residual, x, weight.t())
-
-
-def _triton_runs(x: torch.Tensor) -> bool:
-    return x.is_cuda and TRITON_AVAILABLE
 
 
 def _symmetric_memory():
