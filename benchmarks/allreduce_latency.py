@@ -1,9 +1,11 @@
 """How long one small all-reduce takes inside a CUDA graph, as a tensor-parallel decode step issues them (two per
 decoder layer): `torchrun --nproc_per_node 2 benchmarks/allreduce_latency.py` prints, per message size, the mean
 time of NCCL's all-reduce and of torch's symmetric-memory one-shot and two-shot all-reduces (NVLink loads and stores,
-no multicast; the op no longer takes the one-shot kernel, which summed wrong under load), and of the library's op
+no multicast; the op does not take torch's one-shot kernel, which summed wrong under load), and of the library's ops
 (`weights/all_reduce.py`'s `row_parallel_linear`: a product of K=16 written where the kernel it picks for the size
-reads it, then summed), each replayed from a graph of 64 back-to-back calls (docs/benchmarks.md, "Tensor parallel")."""
+reads it, then summed: our fenced one-shot kernel up to 256 KB; and `row_parallel_linear_norm`, with the residual
+added and the RMSNorm after), each replayed from a graph of 64 back-to-back calls (docs/benchmarks.md, "Tensor
+parallel")."""
 
 import os
 
@@ -11,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-from hf_blockdiff.weights.all_reduce import kind_of, row_parallel_linear, sums_for
+from hf_blockdiff.weights.all_reduce import kind_of, row_parallel_linear, row_parallel_linear_norm, sums_for
 
 CALLS, REPLAYS, WIDTH, K = 64, 20, 4096, 16
 SIZES_KB = (8, 32, 128, 256, 512, 2048)
@@ -73,13 +75,16 @@ def main():
             torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", group)
         two_shot = timed(two)
         op = timed(lambda: row_parallel_linear(*factors, ours, False, False))
+        residual, norm = torch.randn_like(product), torch.ones(WIDTH, dtype=x.dtype, device="cuda")
+        op_norm = timed(lambda: row_parallel_linear_norm(*factors, ours, False, False, residual, norm, 1e-6))
         kind = kind_of(kb * 1024, x.dtype, True)
-        rows.append(f"| {kb} KB | {nccl:.1f} | {one_shot:.1f} | {two_shot:.1f} | {op:.1f} ({kind}) | {ok} |")
+        rows.append(f"| {kb} KB | {nccl:.1f} | {one_shot:.1f} | {two_shot:.1f} | {op:.1f} ({kind}) | {op_norm:.1f} "
+                    f"| {ok} |")
     if rank == 0:
         print(f"{dist.get_world_size()} x {torch.cuda.get_device_name()}, torch {torch.__version__}")
         print("| message | NCCL (us) | symm one-shot (us) | symm two-shot (us) | row_parallel_linear (us) "
-              "| sums right |")
-        print("|---|---|---|---|---|---|")
+              "| with residual and norm (us) | sums right |")
+        print("|---|---|---|---|---|---|---|")
         print("\n".join(rows))
     dist.destroy_process_group()
 

@@ -116,3 +116,21 @@ class Collector:
         assert self.done.wait(timeout), "the row got no final update"
         assert [u.finish_reason is not None for u in self.updates].count(True) == 1
         return self.updates[-1]
+
+
+def run_forked(target, args_per_process: list, bound_s: float = 120) -> None:
+    """`target(*args)` for each args in forked processes running at once (CPU tensors made shared before the fork keep
+    their addresses in every process: ranks of the symmetric-memory kernels under Triton's interpreter); each is
+    killed past `bound_s`, and every one must exit cleanly."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    processes = [context.Process(target=target, args=args) for args in args_per_process]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(bound_s)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    assert [p.exitcode for p in processes] == [0] * len(processes), "a process failed or ran past the bound"

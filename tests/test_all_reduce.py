@@ -1,22 +1,29 @@
-"""Which kernel sums a row-parallel layer's product (weights/all_reduce.py): NCCL for a decode step's small
-messages and beyond the symmetric buffer, torch's two-shot kernel between. The kernels themselves run on two GPUs
-(test_distributed.py, `test_row_parallel_sums_on_gpus_are_exact`)."""
+"""Which kernel sums a row-parallel layer's product (weights/all_reduce.py): our one-shot kernel for a decode step's
+small messages, torch's two-shot kernel for mid-size ones, the backend (NCCL, gloo) beyond the symmetric buffer. The
+op's one-shot path runs on CPU with ranks as forked processes under Triton's interpreter; the kernels themselves run on
+two GPUs (test_distributed.py, `test_row_parallel_sums_on_gpus_are_exact`)."""
 
 import pytest
 import torch
 
+from hf_blockdiff.kernels import INTERPRETED
+from hf_blockdiff.kernels.one_shot_sum import PROGRAMS, buffer_bytes, one_shot_sum_reference, pad_bytes
 from hf_blockdiff.kernels.rmsnorm import rms_norm_reference
 from hf_blockdiff.weights import all_reduce as all_reduce_module
-from hf_blockdiff.weights.all_reduce import BACKEND_BYTES, TWO_SHOT_BYTES, Sums, kind_of
+from hf_blockdiff.weights.all_reduce import ONE_SHOT_BYTES, TWO_SHOT_BYTES, Sums, kind_of
+from helpers import run_forked
 
 
 def test_kinds_by_size_dtype_and_buffer():
-    sizes = (32 * 1024, BACKEND_BYTES, BACKEND_BYTES + 16, TWO_SHOT_BYTES, TWO_SHOT_BYTES + 16)
+    sizes = (32 * 1024, ONE_SHOT_BYTES, ONE_SHOT_BYTES + 16, TWO_SHOT_BYTES, TWO_SHOT_BYTES + 16)
     assert [kind_of(size, torch.bfloat16, True) for size in sizes] == [
-        "backend", "backend", "two_shot", "two_shot", "backend"]
-    assert kind_of(2 * BACKEND_BYTES, torch.float32, True) == "two_shot"
-    assert kind_of(2 * BACKEND_BYTES, torch.float16, True) == "backend"  # torch's kernel takes bf16 and fp32 only
-    assert kind_of(2 * BACKEND_BYTES, torch.bfloat16, False) == "backend"  # gloo, or no symmetric memory
+        "one_shot", "one_shot", "two_shot", "two_shot", "backend"]
+    assert kind_of(32 * 1024, torch.float32, True) == "one_shot"
+    assert kind_of(32 * 1024, torch.bfloat16, True, one_shot=False) == "backend"  # no Triton, or no room for flags
+    assert kind_of(2 * ONE_SHOT_BYTES, torch.float32, True) == "two_shot"
+    assert kind_of(2 * ONE_SHOT_BYTES, torch.float16, True) == "backend"  # torch's kernel takes bf16 and fp32 only
+    assert kind_of(32 * 1024, torch.float16, True) == "backend"
+    assert kind_of(32 * 1024, torch.bfloat16, False) == "backend"  # gloo, or no symmetric memory
 
 
 def backend_sums(monkeypatch, first: bool, other: torch.Tensor) -> tuple[Sums, list]:
@@ -31,6 +38,7 @@ def backend_sums(monkeypatch, first: bool, other: torch.Tensor) -> tuple[Sums, l
     monkeypatch.setattr(all_reduce_module.dist, "all_reduce", all_reduce)
     sums = Sums.__new__(Sums)
     sums.group, sums.name, sums.buffer, sums.carries_residual = None, f"rank-{int(not first)}", None, first
+    sums.rank, sums.one_shot = int(not first), False
     monkeypatch.setitem(all_reduce_module._SUMS, sums.name, sums)
     return sums, summed
 
@@ -64,3 +72,46 @@ def test_the_first_rank_carries_the_residual_into_the_backend_sum(monkeypatch, f
                                                                 1e-6)
     torch.testing.assert_close(hidden, residual + 2 * product)
     torch.testing.assert_close(normed, rms_norm_reference(residual + 2 * product, norm, 1e-6))
+
+
+def _one_shot_rank(rank, shared, xs, weights, residual, norm, outs, skinny):
+    """One rank of a group of `len(xs)` summing through `Sums`' one-shot path: its slots and the peers' are CPU memory
+    shared across the fork (the op alone, with the residual and with the norm, call after call)."""
+    memory, pads = shared
+    sums = Sums.__new__(Sums)
+    sums.group, sums.name, sums.rank, sums.carries_residual, sums.one_shot = None, "one-shot", rank, rank == 0, True
+    sums.buffer, sums.epochs = torch.zeros(0, dtype=torch.uint8), torch.zeros(PROGRAMS, dtype=torch.int64)
+    sums.slots = torch.tensor([m.data_ptr() for m in memory])
+    sums.pads = torch.tensor([p.data_ptr() for p in pads])
+    outs[rank][0].copy_(sums.linear(xs[rank], weights[rank], skinny, False))
+    outs[rank][1].copy_(sums.linear(xs[rank], weights[rank], skinny, False, residual))
+    hidden, normed = sums.linear_norm(xs[rank], weights[rank], skinny, False, residual, norm, 1e-6)
+    outs[rank][2].copy_(hidden)
+    outs[rank][3].copy_(normed)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="ranks as forked CPU processes need Triton's interpreter; on GPUs the "
+                    "two-process worker of test_distributed.py runs the op")
+@pytest.mark.parametrize("skinny", [False, True], ids=["cublas", "skinny"])
+def test_the_one_shot_path_sums_the_products_of_every_rank(skinny):
+    """Two ranks' products (small integers in fp32: exact in any order; the skinny GEMM's or torch's) pushed into every
+    rank's slots and summed by the one-shot kernel, the residual stream added where given and the RMSNorm after:
+    every rank holds the reference's sums, call after call."""
+    rows, width, k, world = 4, 24, 16, 2
+    generator = torch.Generator().manual_seed(7)
+    xs = [torch.randint(-4, 4, (rows, k), generator=generator).float() for _ in range(world)]
+    weights = [torch.randint(-4, 4, (width, k), generator=generator).float() for _ in range(world)]
+    residual = torch.randint(-4, 4, (rows, width), generator=generator).float()
+    norm = torch.rand(width, generator=generator) + 0.5
+    memory = [torch.zeros(buffer_bytes(world, ONE_SHOT_BYTES), dtype=torch.uint8).share_memory_()
+              for _ in range(world)]
+    pads = [torch.zeros(pad_bytes(world) // 8, dtype=torch.int64).share_memory_() for _ in range(world)]
+    outs = [torch.zeros(4, rows, width).share_memory_() for _ in range(world)]
+    run_forked(_one_shot_rank, [(r, (memory, pads), xs, weights, residual, norm, outs, skinny) for r in range(world)])
+    products = [x @ w.T for x, w in zip(xs, weights)]
+    plain, _ = one_shot_sum_reference(products)
+    hidden, normed = one_shot_sum_reference(products, residual, norm, 1e-6)
+    for rank in range(world):
+        assert torch.equal(outs[rank][0], plain) and torch.equal(outs[rank][1], hidden)
+        assert torch.equal(outs[rank][2], hidden)
+        torch.testing.assert_close(outs[rank][3], normed, rtol=1e-6, atol=1e-6)

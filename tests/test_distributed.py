@@ -133,17 +133,17 @@ def test_tensor_parallel_on_gpus_matches_one_gpu(checkpoint, tmp_path, processes
 @pytest.mark.gpu
 @needs_gpus(2)
 def test_row_parallel_sums_on_gpus_are_exact(tmp_path):
-    """The row-parallel products summed over NCCL and symmetric memory (tests/all_reduce_worker.py): 48 different
-    products back to back at each of three sizes (NCCL, two-shot at the smallest and the largest size it takes; the
-    skinny GEMM's product summed in place and copied into the buffer, cuBLAS's written into it), each alone, with a
-    residual and with a norm after, eagerly and from twenty replays of a CUDA graph, one rank's memory busy beside
-    them; not one wrong sum or norm. torch's one-shot kernel,
-    which the op took for small messages until 2026-11-27, summed wrong here (docs/benchmarks.md, "Tensor
+    """The row-parallel products summed over symmetric memory and NCCL (tests/all_reduce_worker.py): 48 different
+    products back to back at each of six sizes (our one-shot kernel at a batch-1 step's 4 rows and at its largest
+    message, torch's two-shot at the smallest and the largest it takes, NCCL beyond the buffer; the skinny GEMM's
+    products and cuBLAS's written into the buffer), each alone, with a residual and with a norm after, eagerly and from
+    twenty replays of a CUDA graph, one rank's memory busy beside them; not one wrong sum or norm. torch's one-shot
+    kernel, which the op took for small messages until 2026-11-27, summed wrong here (docs/benchmarks.md, "Tensor
     parallel")."""
     report_path = tmp_path / "sums.json"
     torchrun(Path(__file__).parent / "all_reduce_worker.py", report_path, timeout=180, env=None)
     report = json.loads(report_path.read_text())
-    assert [r["kind"] for r in report.values()] == ["backend"] * 3 + ["two_shot"] * 6
+    assert [r["kind"] for r in report.values()] == ["one_shot"] * 9 + ["two_shot"] * 6 + ["backend"] * 3
     assert all(r["eager"] == 0 and r["replays"] == 0 for r in report.values()), report
 
 

@@ -138,6 +138,18 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias, residual: torch
     return torch.ops.hf_blockdiff.linear_residual(x.contiguous(), weight, bias, residual.contiguous(), invariant)
 
 
+def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, invariant: bool = False) -> None:
+    """x [rows, K]·weightᵀ written into `out` [rows, N] (contiguous, x's dtype) by the kernel, whatever the rows. Not an
+    op: for a caller inside an op of its own that has its output's memory (`weights/all_reduce.py` writes the product
+    into the symmetric buffer the sum reads)."""
+    require_triton("linear_into")
+    _check(x, [weight], [None])
+    if out.shape != (x.shape[0], weight.shape[0]) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{x.shape[0]}, {weight.shape[0]}] {x.dtype} tensor, got "
+                         f"{list(out.shape)} {out.dtype}")
+    _launch(x.contiguous(), [weight], [None], [out], False, invariant)
+
+
 def gated_linear(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """x [rows, K], gate and up [N, K] → silu(x·gateᵀ)·(x·upᵀ) [rows, N]; `invariant` as `grouped_linear`."""
     _check(x, [gate, up], [None, None])

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hf_blockdiff.kernels import skinny_gemm
 from hf_blockdiff.kernels.skinny_gemm import (
     MAX_ROWS, ONE_WEIGHT_MAX_ROWS, gated_linear, gated_linear_reference, grouped_linear, grouped_linear_reference,
-    linear_residual, linear_residual_reference, stacked,
+    linear_into, linear_residual, linear_residual_reference, stacked,
 )
 
 pytest.importorskip("triton")
@@ -50,6 +50,19 @@ def test_gated_linear_rounds_like_the_gated_mlp(device, poisoned, rows, dtype, a
     assert_close(out, expected, dtype)
     if dtype == torch.bfloat16:  # a projection rounds the other way where fp32 sums straddle a bf16 midpoint
         assert (out != gated_linear_reference(x, gate, up)).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("rows", [4, ONE_WEIGHT_MAX_ROWS])
+def test_linear_into_writes_the_grouped_product_into_the_given_memory(device, rows):
+    """`linear_into` writes into a view of a larger buffer (the symmetric buffer's start) what `grouped_linear`
+    returns for the one weight, bit for bit, and nothing past it; a wrong `out` is refused."""
+    x, (weight,), _ = _tensors(device, torch.bfloat16, rows, 300, (96,), seed=rows)
+    buffer = torch.full((rows * 96 + 8,), 7.0, dtype=torch.bfloat16, device=device)
+    linear_into(x, weight, buffer[: rows * 96].view(rows, 96))
+    assert torch.equal(buffer[: rows * 96].view(rows, 96), grouped_linear(x, [weight], [None])[0])
+    assert bool((buffer[rows * 96:] == 7).all())
+    with pytest.raises(ValueError, match=rf"out must be a contiguous \[{rows}, 96\] torch.bfloat16"):
+        linear_into(x, weight, torch.empty(rows, 95, dtype=torch.bfloat16, device=device))
 
 
 def test_more_rows_than_the_kernel_takes_go_to_cublas(device):
