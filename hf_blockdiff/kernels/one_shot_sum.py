@@ -117,7 +117,7 @@ if TRITON_AVAILABLE:
                 buffer = tl.load(slots + target).to(tl.pointer_type(dtype))
                 tl.store(buffer + (parity * WORLD + rank) * slot_elems + at, value, mask=inside)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rank"])  # one compile for every rank (ranks on one device share it)
     def _one_shot_sum_kernel(part_ptr, slots, pads, epochs, res_ptr, w_ptr, out_ptr, y_ptr, rows, width, slot_elems,
                              eps, rank, timeout_ns, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                              HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, TIMED: tl.constexpr,
