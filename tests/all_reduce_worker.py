@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from hf_blockdiff.kernels.rmsnorm import rms_norm_reference
-from hf_blockdiff.weights.all_reduce import (ONE_SHOT_BYTES, TWO_SHOT_BYTES, kind_of, row_parallel_linear,
+from hf_blockdiff.weights.all_reduce import (_SUMS, ONE_SHOT_BYTES, TWO_SHOT_BYTES, row_parallel_linear,
                                              row_parallel_linear_norm, sums_for)
 
 CALLS, REPLAYS, K = 48, 20, 16
-# (rows, width, skinny) of fp32 products: the one-shot kernel at a batch-1 step's rows (cuBLAS and the skinny GEMM
-# writing into the buffer) and at its largest, two-shot at its smallest (the skinny GEMM's product) and its largest
-# (cuBLAS's), NCCL beyond the buffer (cuBLAS's product summed in place)
+# (rows, width, skinny) of fp32 products: the one-shot kernel at a batch-1 step's rows (cuBLAS's product and the skinny
+# GEMM's, pushed into the slots) and at its largest, two-shot at its smallest (the skinny GEMM writing into the
+# buffer) and its largest (cuBLAS's), NCCL beyond the buffer (cuBLAS's product summed in place)
 CASES = ((4, 4096, False), (4, 4096, True), (16, ONE_SHOT_BYTES // 64, True), (16, ONE_SHOT_BYTES // 64 + 8, True),
          (512, TWO_SHOT_BYTES // 2048, False), (512, TWO_SHOT_BYTES // 2048 + 8, False))
 VARIANTS = ("sum", "residual", "norm")  # the op alone, with the residual stream added, with the norm after
@@ -85,7 +85,7 @@ def check(rows: int, width: int, skinny: bool, variant: str, name: str, rank: in
         graph.replay()
         torch.cuda.synchronize()
         replays += wrong(outs, want, variant)
-    return {"kind": kind_of(rows * width * 4, torch.float32, True), "eager": eager, "replays": replays}
+    return {"kind": _SUMS[name].kind(rows, width, torch.float32), "eager": eager, "replays": replays}
 
 
 def main(output: str) -> None:

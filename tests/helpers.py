@@ -134,3 +134,19 @@ def run_forked(target, args_per_process: list, bound_s: float = 120) -> None:
             process.kill()
             process.join()
     assert [p.exitcode for p in processes] == [0] * len(processes), "a process failed or ran past the bound"
+
+
+def one_shot_group(world: int, slot_bytes: int, device="cpu") -> tuple[list, list, torch.Tensor, torch.Tensor]:
+    """Every rank's slots and signal pad of the one-shot sum (kernels/one_shot_sum.py) as plain memory of `device`
+    (shared across a fork on the CPU), and the address tables the kernel takes: (memory, pads, slots, flags). The
+    caller holds `memory` and `pads` while the kernel runs: the tables are bare addresses."""
+    from hf_blockdiff.kernels.one_shot_sum import buffer_bytes, pad_bytes
+
+    memory = [torch.zeros(buffer_bytes(world, slot_bytes), dtype=torch.uint8, device=device) for _ in range(world)]
+    pads = [torch.zeros(pad_bytes(world) // 8, dtype=torch.int64, device=device) for _ in range(world)]
+    if torch.device(device).type == "cpu":
+        for tensor in memory + pads:
+            tensor.share_memory_()
+    slots = torch.tensor([m.data_ptr() for m in memory], device=device)
+    flags = torch.tensor([p.data_ptr() for p in pads], device=device)
+    return memory, pads, slots, flags

@@ -7,23 +7,34 @@ import pytest
 import torch
 
 from hf_blockdiff.kernels import INTERPRETED
-from hf_blockdiff.kernels.one_shot_sum import PROGRAMS, buffer_bytes, one_shot_sum_reference, pad_bytes
+from hf_blockdiff.kernels.one_shot_sum import PROGRAMS, one_shot_sum_reference
 from hf_blockdiff.kernels.rmsnorm import rms_norm_reference
 from hf_blockdiff.weights import all_reduce as all_reduce_module
-from hf_blockdiff.weights.all_reduce import ONE_SHOT_BYTES, TWO_SHOT_BYTES, Sums, kind_of
-from helpers import run_forked
+from hf_blockdiff.weights.all_reduce import ONE_SHOT_BYTES, ONE_SHOT_MAX_WIDTH, TWO_SHOT_BYTES, Sums, kind_of
+from helpers import one_shot_group, run_forked
 
 
-def test_kinds_by_size_dtype_and_buffer():
+def test_kinds_by_size_width_dtype_and_buffer():
     sizes = (32 * 1024, ONE_SHOT_BYTES, ONE_SHOT_BYTES + 16, TWO_SHOT_BYTES, TWO_SHOT_BYTES + 16)
-    assert [kind_of(size, torch.bfloat16, True) for size in sizes] == [
+    assert [kind_of(size, 4096, torch.bfloat16, True, True) for size in sizes] == [
         "one_shot", "one_shot", "two_shot", "two_shot", "backend"]
-    assert kind_of(32 * 1024, torch.float32, True) == "one_shot"
-    assert kind_of(32 * 1024, torch.bfloat16, True, one_shot=False) == "backend"  # no Triton, or no room for flags
-    assert kind_of(2 * ONE_SHOT_BYTES, torch.float32, True) == "two_shot"
-    assert kind_of(2 * ONE_SHOT_BYTES, torch.float16, True) == "backend"  # torch's kernel takes bf16 and fp32 only
-    assert kind_of(32 * 1024, torch.float16, True) == "backend"
-    assert kind_of(32 * 1024, torch.bfloat16, False) == "backend"  # gloo, or no symmetric memory
+    assert kind_of(32 * 1024, 4096, torch.float32, True, True) == "one_shot"
+    assert kind_of(32 * 1024, 4096, torch.bfloat16, True, False) == "backend"  # no Triton, or no room for flags
+    assert kind_of(32 * 1024, 2 * ONE_SHOT_MAX_WIDTH, torch.bfloat16, True, True) == "backend"  # a row in registers
+    assert kind_of(2 * ONE_SHOT_BYTES, 4096, torch.float32, True, True) == "two_shot"
+    assert kind_of(2 * ONE_SHOT_BYTES, 4096, torch.float16, True, True) == "backend"  # torch's kernel: bf16, fp32
+    assert kind_of(32 * 1024, 4096, torch.float16, True, True) == "backend"
+    assert kind_of(32 * 1024, 4096, torch.bfloat16, False, True) == "backend"  # gloo, or no symmetric memory
+
+
+def unbound_sums(name: str, rank: int, **fields) -> Sums:
+    """A `Sums` of no process group, rank `rank` of two: the backend's path, or the one-shot path where `fields` give
+    its buffer, slots, pads and epochs."""
+    sums = Sums.__new__(Sums)
+    sums.group, sums.name, sums.rank, sums.carries_residual = None, name, rank, rank == 0
+    sums.buffer, sums.one_shot = None, False
+    vars(sums).update(fields)
+    return sums
 
 
 def backend_sums(monkeypatch, first: bool, other: torch.Tensor) -> tuple[Sums, list]:
@@ -36,9 +47,7 @@ def backend_sums(monkeypatch, first: bool, other: torch.Tensor) -> tuple[Sums, l
         tensor.add_(other)
 
     monkeypatch.setattr(all_reduce_module.dist, "all_reduce", all_reduce)
-    sums = Sums.__new__(Sums)
-    sums.group, sums.name, sums.buffer, sums.carries_residual = None, f"rank-{int(not first)}", None, first
-    sums.rank, sums.one_shot = int(not first), False
+    sums = unbound_sums(f"rank-{int(not first)}", int(not first))
     monkeypatch.setitem(all_reduce_module._SUMS, sums.name, sums)
     return sums, summed
 
@@ -77,12 +86,9 @@ def test_the_first_rank_carries_the_residual_into_the_backend_sum(monkeypatch, f
 def _one_shot_rank(rank, shared, xs, weights, residual, norm, outs, skinny):
     """One rank of a group of `len(xs)` summing through `Sums`' one-shot path: its slots and the peers' are CPU memory
     shared across the fork (the op alone, with the residual and with the norm, call after call)."""
-    memory, pads = shared
-    sums = Sums.__new__(Sums)
-    sums.group, sums.name, sums.rank, sums.carries_residual, sums.one_shot = None, "one-shot", rank, rank == 0, True
-    sums.buffer, sums.epochs = torch.zeros(0, dtype=torch.uint8), torch.zeros(PROGRAMS, dtype=torch.int64)
-    sums.slots = torch.tensor([m.data_ptr() for m in memory])
-    sums.pads = torch.tensor([p.data_ptr() for p in pads])
+    slots, pads = shared
+    sums = unbound_sums("one-shot", rank, one_shot=True, buffer=torch.zeros(0, dtype=torch.uint8), slots=slots,
+                        pads=pads, epochs=torch.zeros(PROGRAMS, dtype=torch.int64))
     outs[rank][0].copy_(sums.linear(xs[rank], weights[rank], skinny, False))
     outs[rank][1].copy_(sums.linear(xs[rank], weights[rank], skinny, False, residual))
     hidden, normed = sums.linear_norm(xs[rank], weights[rank], skinny, False, residual, norm, 1e-6)
@@ -103,11 +109,9 @@ def test_the_one_shot_path_sums_the_products_of_every_rank(skinny):
     weights = [torch.randint(-4, 4, (width, k), generator=generator).float() for _ in range(world)]
     residual = torch.randint(-4, 4, (rows, width), generator=generator).float()
     norm = torch.rand(width, generator=generator) + 0.5
-    memory = [torch.zeros(buffer_bytes(world, ONE_SHOT_BYTES), dtype=torch.uint8).share_memory_()
-              for _ in range(world)]
-    pads = [torch.zeros(pad_bytes(world) // 8, dtype=torch.int64).share_memory_() for _ in range(world)]
+    memory, pad_memory, slots, pads = one_shot_group(world, ONE_SHOT_BYTES)  # the memory held while the ranks run
     outs = [torch.zeros(4, rows, width).share_memory_() for _ in range(world)]
-    run_forked(_one_shot_rank, [(r, (memory, pads), xs, weights, residual, norm, outs, skinny) for r in range(world)])
+    run_forked(_one_shot_rank, [(r, (slots, pads), xs, weights, residual, norm, outs, skinny) for r in range(world)])
     products = [x @ w.T for x, w in zip(xs, weights)]
     plain, _ = one_shot_sum_reference(products)
     hidden, normed = one_shot_sum_reference(products, residual, norm, 1e-6)

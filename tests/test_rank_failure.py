@@ -6,6 +6,7 @@ NCCL's watchdog ends it; our one-shot sum traps after `weights.all_reduce.PEER_W
 "Errors")."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -43,6 +44,6 @@ def test_a_failing_rank_makes_the_other_raise(checkpoint, mode):
     assert failed == (3 if mode == "exit" else 1), outputs[1][1][-2000:]
     assert survivor == 1, outputs[0][1][-2000:]  # rank 0 raised out of its call
     stderr = outputs[0][1]
-    assert "Connection closed by peer" in stderr, stderr[-2000:]
+    assert re.search(r"Connection (closed|reset) by peer|Broken pipe", stderr), stderr[-2000:]  # gloo: a dead peer
     seconds = float(stderr.split("rank 0 left its call after ")[1].split(" s")[0])
     assert seconds < 30, stderr[-2000:]

@@ -13,7 +13,9 @@ stream (rounded again, as torch's add rounds) and normalizes as `rms_norm` does.
 
 Why one wait suffices: a peer writes slot parity e % 2 again at epoch e + 2, after its launch of epoch e + 1 has
 returned, which waited for this rank's arrival at e + 1, which this rank made after its launch of epoch e returned:
-no rank overwrites a slot another still reads. A wait that outlasts `timeout_s` (a dead peer) traps, so the process's
+no rank overwrites a slot another still reads. This rests on its launches of one stream not overlapping: it is
+launched without programmatic dependent launch (`dependent_launch.py`), so it starts once the kernel before it has
+finished, and it never lets its dependents start early, so the kernel after it starts once it has finished. A wait that outlasts `timeout_s` (a dead peer) traps, so the process's
 next CUDA call raises instead of the step hanging.
 
 `one_shot_sum_reference` is the plain torch sum of the parts, in the same order and rounding.
@@ -54,11 +56,12 @@ def pad_bytes(world: int) -> int:
 
 
 def one_shot_sum(part: torch.Tensor, slots: torch.Tensor, pads: torch.Tensor, epochs: torch.Tensor, rank: int,
-                 slot_bytes: int, residual: torch.Tensor | None = None, norm: torch.Tensor | None = None,
-                 eps: float = 0.0, timeout_s: float = 600.0):
+                 slot_bytes: int, residual: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
+                 timeout_s: float):
     """(residual + Σ over ranks of every rank's `part` [rows, width], its RMSNorm of weight `norm` or None).
     `slots`, `pads`: int64 [world] on this device, the address of every rank's buffer and signal pad in rank order;
-    `epochs`: int64 [PROGRAMS] of this rank, zeros before the group's first launch."""
+    `epochs`: int64 [PROGRAMS] of this rank, zeros before the group's first launch; `timeout_s`: how long to wait for
+    a peer before the launch traps."""
     require_triton("one_shot_sum")
     rows, width = part.shape
     if rows * width * part.element_size() > slot_bytes:

@@ -4,7 +4,7 @@ decode step's small messages go to our one-shot kernel (`kernels/one_shot_sum.py
 into every rank's slots of a symmetric buffer of its own, waits for every peer once, sums, and adds the residual
 stream and the post-attention RMSNorm in its epilogue), the mid-size messages of larger batches to torch's two-shot
 all-reduce, the product written into the symmetric buffer it sums; the group's backend (NCCL, gloo) sums the rest
-(messages beyond the buffer, dtypes the kernels do not take, CPU) in place, the first rank's product carrying the
+(messages beyond the buffer, fp16 and other dtypes torch's two-shot kernel does not take, CPU) in place, the first rank's product carrying the
 residual stream. One op, the product and its sum, with no copy in between (72 copies a forward of SDAR-8B); given the
 decoder layer's residual stream the op adds it where the sum leaves, with the post-attention RMSNorm where asked
 (`row_parallel_linear_norm`); torch.compile and CUDA graphs take it as one call (docs/benchmarks.md, "Tensor
@@ -35,16 +35,18 @@ from ..kernels.skinny_gemm import (ONE_WEIGHT_MAX_ROWS, grouped_linear, kernel_t
 ONE_SHOT_BYTES = 256 * 1024
 TWO_SHOT_BYTES = 8 * 1024 * 1024
 SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)
+ONE_SHOT_MAX_WIDTH = 16384  # the one-shot kernel holds a row in registers
 PEER_WAIT_S = 600.0  # how long the one-shot kernel waits for a peer before it traps (NCCL's default timeout)
 
 
-def kind_of(size: int, dtype: torch.dtype, symmetric: bool, one_shot: bool = True) -> str:
-    """How a message of `size` bytes is summed: "one_shot", "two_shot" or "backend" (NCCL, gloo); `symmetric`: the
-    group has a symmetric buffer; `one_shot`: and the one-shot kernel's (Triton installed, room for its flags)."""
+def kind_of(size: int, width: int, dtype: torch.dtype, symmetric: bool, one_shot: bool) -> str:
+    """How a message of `size` bytes, rows of `width`, is summed: "one_shot", "two_shot" or "backend" (NCCL, gloo);
+    `symmetric`: the group has a symmetric buffer; `one_shot`: and the one-shot kernel's (Triton installed, room for
+    its flags)."""
     if not symmetric or dtype not in SYMMETRIC_DTYPES or size > TWO_SHOT_BYTES:
         return "backend"
     if size <= ONE_SHOT_BYTES:
-        return "one_shot" if one_shot else "backend"
+        return "one_shot" if one_shot and width <= ONE_SHOT_MAX_WIDTH else "backend"
     return "two_shot"
 
 
@@ -106,16 +108,19 @@ class Sums:
         dist.all_reduce(out, group=self.group)
         return out
 
+    def kind(self, rows: int, width: int, dtype: torch.dtype) -> str:
+        """`kind_of` a [rows, width] product in this group."""
+        return kind_of(rows * width * dtype.itemsize, width, dtype, self.buffer is not None, self.one_shot)
+
     def _written(self, x: torch.Tensor, weight: torch.Tensor, skinny: bool,
                  invariant: bool) -> tuple[str, torch.Tensor | None]:
         """(`kind_of` the product x·weightᵀ, the product written into the symmetric buffer (a view of it) where the
         two-shot kernel sums it, else None: nothing run)."""
         rows, width = x.shape[0], weight.shape[0]
-        size = rows * width * x.element_size()
-        kind = kind_of(size, x.dtype, self.buffer is not None, self.one_shot)
+        kind = self.kind(rows, width, x.dtype)
         if kind != "two_shot":
             return kind, None
-        shared = self.buffer[:size].view(x.dtype).view(rows, width)
+        shared = self.buffer[: rows * width * x.element_size()].view(x.dtype).view(rows, width)
         if skinny and kernel_takes(rows, invariant, ONE_WEIGHT_MAX_ROWS):
             linear_into(x, weight, shared, invariant)
         else:
@@ -157,7 +162,8 @@ _SUMS: dict[str, Sums] = {}  # by process group name: one symmetric buffer per g
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group_name: str, skinny: bool, invariant: bool,
                         residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, K]·weightᵀ, this rank's shard of a row-parallel layer (no bias), summed over the group's ranks, plus
-    `residual` [rows, N] where given (in the first rank's product, or in the copy out of the symmetric buffer);
+    `residual` [rows, N] where given (in the one-shot kernel's epilogue, in the copy out of the two-shot buffer, or
+    in the first rank's product that the backend sums);
     `skinny`: the product on the skinny GEMM where it takes the rows (a fused forward's, `fusion/layers.py`), else
     cuBLAS; `invariant`: the skinny GEMM's batch-invariant launch (an op: torch.compile and CUDA graphs take it as
     one call)."""
@@ -174,8 +180,8 @@ def row_parallel_linear_norm(x: torch.Tensor, weight: torch.Tensor, group_name: 
                              residual: torch.Tensor, norm: torch.Tensor,
                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(`row_parallel_linear` with `residual`, its RMSNorm of weight `norm`), as a decoder layer computes its residual
-    stream and post-attention norm: from the symmetric buffer in one launch (`add_rms_norm`) instead of a copy out
-    and an add and norm after."""
+    stream and post-attention norm: in the one-shot kernel's epilogue, or from the two-shot buffer in one launch
+    (`add_rms_norm`), instead of a copy out and an add and norm after."""
     return _SUMS[group_name].linear_norm(x, weight, skinny, invariant, residual, norm, eps)
 
 

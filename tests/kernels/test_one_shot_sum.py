@@ -1,26 +1,30 @@
 """The one-shot sum (kernels/one_shot_sum.py) against its plain reference, its ranks forked processes that share their
 buffers and signal pads (CPU memory shared across a fork keeps its addresses), each launching the kernel under Triton's
 interpreter at the same time, several sums back to back: the waits must hold, or a rank sums a slot before a peer's
-rows arrived (a rank starts each sum later than the one before it) or after a peer pushed the next sum's rows into it.
-On GPUs the kernel runs inside `row_parallel_linear`, two processes summing under load (test_distributed.py,
+rows arrived (a rank starts each sum later than the one before it). The interpreter runs a rank's programs one after
+another, so no peer can push the next sum's rows while a program still reads: that each epoch pushes into a slot of
+its own is tested with the peer played by the test. On GPUs: two ranks on two streams of one device, a peer that
+never arrives, and the kernel inside `row_parallel_linear`, two processes summing under load (test_distributed.py,
 `test_row_parallel_sums_on_gpus_are_exact`)."""
 
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from hf_blockdiff.kernels import INTERPRETED
-from hf_blockdiff.kernels.one_shot_sum import PROGRAMS, buffer_bytes, one_shot_sum, one_shot_sum_reference, pad_bytes
-from helpers import run_forked
+from hf_blockdiff.kernels.one_shot_sum import PROGRAMS, one_shot_sum, one_shot_sum_reference
+from helpers import one_shot_group, run_forked
 
 pytest.importorskip("triton")
 forked = pytest.mark.skipif(not INTERPRETED, reason="ranks as forked CPU processes need Triton's interpreter; on "
                             "GPUs the tests below and the two-process worker of test_distributed.py run the kernel")
 
-STAGGER_S, CALLS, EPS = 0.05, 3, 1e-6
+STAGGER_S, CALLS, EPS, TIMEOUT_S = 0.05, 3, 1e-6, 30.0
 
 
 def _rank(rank, shared, parts, residual, norm, outs, normed, epochs):
@@ -29,7 +33,8 @@ def _rank(rank, shared, parts, residual, norm, outs, normed, epochs):
     mine = torch.zeros(PROGRAMS, dtype=torch.int64)
     for call in range(CALLS):
         time.sleep(STAGGER_S * rank)
-        hidden, y = one_shot_sum(parts[call][rank], slots, pads, mine, rank, slot_bytes, residual, norm, EPS)
+        hidden, y = one_shot_sum(parts[call][rank], slots, pads, mine, rank, slot_bytes, residual, norm, EPS,
+                                 TIMEOUT_S)
         outs[rank][call].copy_(hidden)
         if y is not None:
             normed[rank][call].copy_(y)
@@ -40,9 +45,8 @@ def run_ranks(parts: list[list[torch.Tensor]], residual, norm) -> tuple:
     """Every rank's sums and norms of `parts` [call][rank] from forked processes; every rank's pad and epochs after."""
     world, (rows, width), dtype = len(parts[0]), parts[0][0].shape, parts[0][0].dtype
     slot_bytes = rows * width * parts[0][0].element_size() + 64
-    memory = [torch.zeros(buffer_bytes(world, slot_bytes), dtype=torch.uint8).share_memory_() for _ in range(world)]
-    pads = [torch.zeros(pad_bytes(world) // 8, dtype=torch.int64).share_memory_() for _ in range(world)]
-    shared = (torch.tensor([m.data_ptr() for m in memory]), torch.tensor([p.data_ptr() for p in pads]), slot_bytes)
+    memory, pads, slots, flags = one_shot_group(world, slot_bytes)  # the memory held while the ranks run
+    shared = (slots, flags, slot_bytes)
     outs = torch.zeros(world, CALLS, rows, width, dtype=dtype).share_memory_()
     normed = torch.zeros(world, CALLS, rows, width).share_memory_()
     epochs = torch.zeros(world, PROGRAMS, dtype=torch.int64).share_memory_()
@@ -84,10 +88,7 @@ def test_two_ranks_on_one_gpu_on_two_streams(rows):
     pads plain device memory: 20 sums back to back with the residual and the norm, each equal to the
     reference (the norm to bf16 rounding) on both ranks."""
     world, width, calls, slot_bytes = 2, 4096, 20, 64 * 4096 * 2
-    memory = [torch.zeros(buffer_bytes(world, slot_bytes), dtype=torch.uint8, device="cuda") for _ in range(world)]
-    pads = [torch.zeros(pad_bytes(world) // 8, dtype=torch.int64, device="cuda") for _ in range(world)]
-    slots = torch.tensor([m.data_ptr() for m in memory], device="cuda")
-    flags = torch.tensor([p.data_ptr() for p in pads], device="cuda")
+    memory, pads, slots, flags = one_shot_group(world, slot_bytes, "cuda")  # held while the ranks run
     epochs = [torch.zeros(PROGRAMS, dtype=torch.int64, device="cuda") for _ in range(world)]
     generator = torch.Generator().manual_seed(rows)
     parts = [[torch.randn(rows, width, generator=generator).to("cuda", torch.bfloat16) for _ in range(world)]
@@ -99,7 +100,7 @@ def test_two_ranks_on_one_gpu_on_two_streams(rows):
         for rank in range(world):
             with torch.cuda.stream(streams[rank]):
                 results[rank].append(one_shot_sum(parts[call][rank], slots, flags, epochs[rank], rank, slot_bytes,
-                                                  residual, norm, EPS, timeout_s=30))
+                                                  residual, norm, EPS, TIMEOUT_S))
     torch.cuda.synchronize()
     for call in range(calls):
         hidden, normed = one_shot_sum_reference(parts[call], residual, norm, EPS)
@@ -114,25 +115,50 @@ def test_a_peer_that_never_arrives_traps_the_launch():
     instead of spinning: run apart, since the error ends the process's CUDA context."""
     script = """
 import torch
-from hf_blockdiff.kernels.one_shot_sum import PROGRAMS, buffer_bytes, one_shot_sum, pad_bytes
-memory = [torch.zeros(buffer_bytes(2, 4096), dtype=torch.uint8, device="cuda") for _ in range(2)]
-pads = [torch.zeros(pad_bytes(2) // 8, dtype=torch.int64, device="cuda") for _ in range(2)]
-slots = torch.tensor([m.data_ptr() for m in memory], device="cuda")
-flags = torch.tensor([p.data_ptr() for p in pads], device="cuda")
+from hf_blockdiff.kernels.one_shot_sum import PROGRAMS, one_shot_sum
+from helpers import one_shot_group
+memory, pads, slots, flags = one_shot_group(2, 4096, "cuda")
 epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device="cuda")
-one_shot_sum(torch.ones(2, 8, device="cuda"), slots, flags, epochs, 0, 4096, timeout_s=1.0)
+one_shot_sum(torch.ones(2, 8, device="cuda"), slots, flags, epochs, 0, 4096, None, None, 0.0, 1.0)
 torch.cuda.synchronize()
 """
     started = time.monotonic()
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode != 0 and "CUDA error" in run.stderr, run.stderr[-2000:]
     assert time.monotonic() - started < 60
+
+
+def test_each_epoch_pushes_into_a_slot_of_its_own(device):
+    """Rank 0 of two, its peer played by the test (its rows pushed into rank 0's slot of the epoch's parity, its flags
+    set to the epoch): two sums, each adding the rows of its own epoch's slot; the second pushes into the peer's other
+    slot, so the first's rows are still there for a peer still reading them; the flags and epochs count two."""
+    world, rows, width = 2, 3, 40
+    slot_bytes = rows * width * 4
+    memory, pads, slots, flags = one_shot_group(world, slot_bytes, device)
+    epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
+    generator = torch.Generator().manual_seed(5)
+    mine, theirs = ([torch.randn(rows, width, generator=generator).to(device) for _ in range(2)] for _ in range(2))
+
+    def slot(rank: int, parity: int, source: int) -> torch.Tensor:
+        start = (parity * world + source) * (slot_bytes // 4)
+        return memory[rank].view(torch.float32)[start: start + rows * width].view(rows, width)
+
+    for call, epoch in enumerate((1, 2)):
+        slot(0, epoch % 2, 1).copy_(theirs[call])
+        pads[0].view(PROGRAMS, world)[:, 1] = epoch
+        hidden, _ = one_shot_sum(mine[call], slots, flags, epochs, 0, slot_bytes, None, None, 0.0, TIMEOUT_S)
+        assert torch.equal(hidden, one_shot_sum_reference([mine[call], theirs[call]])[0]), f"sum {call}"
+    assert torch.equal(slot(1, 1, 0), mine[0]) and torch.equal(slot(1, 0, 0), mine[1])
+    assert bool((pads[1].view(PROGRAMS, world)[:, 0] == 2).all()) and bool((epochs == 2).all())
 
 
 def test_bad_parts_are_refused():
     part, addresses = torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64)
     epochs = torch.zeros(PROGRAMS, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"residual must be \[2, 8\] torch.bfloat16"):
-        one_shot_sum(part, addresses, addresses, epochs, 0, 1024, torch.zeros(2, 4, dtype=torch.bfloat16))
+        one_shot_sum(part, addresses, addresses, epochs, 0, 1024, torch.zeros(2, 4, dtype=torch.bfloat16), None, 0.0,
+                     TIMEOUT_S)
     with pytest.raises(ValueError, match="exceeds the 16-byte slot"):
-        one_shot_sum(part, addresses, addresses, epochs, 0, 16)
+        one_shot_sum(part, addresses, addresses, epochs, 0, 16, None, None, 0.0, TIMEOUT_S)
