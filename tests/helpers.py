@@ -1,5 +1,7 @@
 """Tiny models and prompts shared by the tests."""
 
+import os
+import socket
 import threading
 
 import torch
@@ -116,6 +118,18 @@ class Collector:
         assert self.done.wait(timeout), "the row got no final update"
         assert [u.finish_reason is not None for u in self.updates].count(True) == 1
         return self.updates[-1]
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free a moment ago (for a process launched next to listen on)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def on_python_path(environment: dict, directory) -> dict:
+    """`environment` with `directory` first on its PYTHONPATH (a subprocess importing from it)."""
+    return {**environment, "PYTHONPATH": os.pathsep.join([str(directory), environment.get("PYTHONPATH", "")])}
 
 
 def run_forked(target, args_per_process: list, bound_s: float = 120) -> None:

@@ -110,7 +110,7 @@ def test_what_the_mode_cannot_cover_is_refused():
             LiveEngine(model, CFG, max_batch_size=2, max_prompt_tokens=8, max_new_tokens=4)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(invariant, "tensor_parallel_size", lambda model: 2)
-        with pytest.raises(ValueError, match="tensor-parallel model sums its shards by a kernel chosen by message size"):
+        with pytest.raises(ValueError, match="tensor-parallel model sums its shards by a kernel chosen by message"):
             check_batch_invariant(tiny_model("qwen3"), resolve_backend("triton", torch.device("cuda"), 4, 64, True))
     with pytest.raises(ValueError, match="runtime.batch_invariant=True .*DiffusionGemma"):
         check_canvas_config(BlockDiffusionConfig(batch_invariant=True))

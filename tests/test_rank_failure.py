@@ -5,24 +5,17 @@ raises within seconds. On GPUs (NCCL) a dead peer leaves the survivor waiting un
 NCCL's watchdog ends it; our one-shot sum traps after `weights.all_reduce.PEER_WAIT_S` (docs/architecture.md,
 "Errors")."""
 
-import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import free_port, on_python_path
 from test_distributed import CPU_ONLY
 
 BOUND_S = 120  # the whole launch; rank 0 must raise far sooner (it reports how long it took)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("mode", ["raise", "exit"])
@@ -30,9 +23,9 @@ def test_a_failing_rank_makes_the_other_raise(checkpoint, mode):
     worker, port = Path(__file__).parent / "failing_rank_worker.py", free_port()
     processes = []
     for rank in range(2):
-        env = {**CPU_ONLY, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), CPU_ONLY.get("PYTHONPATH", "")])}
+        env = on_python_path({**CPU_ONLY, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                              "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                             Path(__file__).parent)
         processes.append(subprocess.Popen([sys.executable, str(worker), str(checkpoint), mode], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:

@@ -4,7 +4,6 @@ finishing the requests in flight, and a handler that fell behind."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from hf_blockdiff.generation.live import RowUpdate  # noqa: E402
 from hf_blockdiff.serve.app import Server, create_app  # noqa: E402
 from hf_blockdiff.serve.command import limits_of  # noqa: E402
 
+from helpers import free_port, on_python_path  # noqa: E402
 from serving import CFG, client, demo, running, wait_for  # noqa: E402,F401  (demo: a fixture)
 
 KEY = "sk-test"
@@ -136,11 +136,9 @@ def test_serve_without_the_extra_names_it(monkeypatch, capsys):
 
 
 def test_sigterm_finishes_the_requests_in_flight_and_stops():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1",  # the tiny model gains nothing from a second core
-                   "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    port = free_port()
+    # the tiny model gains nothing from a second core
+    environment = on_python_path({**os.environ, "OMP_NUM_THREADS": "1"}, Path(__file__).parents[1])
     command = [sys.executable, "-m", "hf_blockdiff.cli", "serve", "--model", "demo", "--port", str(port),
                "--max-new-tokens", "32", "--eos-token-id"]  # no stop token: every row runs its max_tokens
     process = subprocess.Popen(command, env=environment, stderr=subprocess.PIPE, text=True)

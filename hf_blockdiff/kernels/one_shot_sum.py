@@ -15,8 +15,8 @@ Why one wait suffices: a peer writes slot parity e % 2 again at epoch e + 2, aft
 returned, which waited for this rank's arrival at e + 1, which this rank made after its launch of epoch e returned:
 no rank overwrites a slot another still reads. This rests on its launches of one stream not overlapping: it is
 launched without programmatic dependent launch (`dependent_launch.py`), so it starts once the kernel before it has
-finished, and it never lets its dependents start early, so the kernel after it starts once it has finished. A wait that outlasts `timeout_s` (a dead peer) traps, so the process's
-next CUDA call raises instead of the step hanging.
+finished, and it never lets its dependents start early, so the kernel after it starts once it has finished. A wait
+that outlasts `timeout_s` (a dead peer) traps, so the process's next CUDA call raises instead of the step hanging.
 
 `one_shot_sum_reference` is the plain torch sum of the parts, in the same order and rounding.
 """

@@ -4,8 +4,8 @@ decode step's small messages go to our one-shot kernel (`kernels/one_shot_sum.py
 into every rank's slots of a symmetric buffer of its own, waits for every peer once, sums, and adds the residual
 stream and the post-attention RMSNorm in its epilogue), the mid-size messages of larger batches to torch's two-shot
 all-reduce, the product written into the symmetric buffer it sums; the group's backend (NCCL, gloo) sums the rest
-(messages beyond the buffer, fp16 and other dtypes torch's two-shot kernel does not take, CPU) in place, the first rank's product carrying the
-residual stream. One op, the product and its sum, with no copy in between (72 copies a forward of SDAR-8B); given the
+(messages beyond the buffer, fp16 and other dtypes torch's two-shot kernel does not take, CPU) in place, the first
+rank's product carrying the residual stream. One op, the product and its sum, with no copy in between (72 copies a forward of SDAR-8B); given the
 decoder layer's residual stream the op adds it where the sum leaves, with the post-attention RMSNorm where asked
 (`row_parallel_linear_norm`); torch.compile and CUDA graphs take it as one call (docs/benchmarks.md, "Tensor
 parallel").
@@ -75,7 +75,8 @@ class Sums:
         self.slots = torch.tensor([ptr + offset for ptr in handle.buffer_ptrs], dtype=torch.int64, device=device)
         self.pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
         self.epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
-        self.slot_memory, self.one_shot = memory, handle.signal_pad_size >= pad_bytes(world)
+        self.slot_memory = memory  # held: `slots` are bare addresses into every rank's copy of it
+        self.one_shot = handle.signal_pad_size >= pad_bytes(world)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, skinny: bool, invariant: bool,
                residual: torch.Tensor | None = None) -> torch.Tensor:

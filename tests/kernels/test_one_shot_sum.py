@@ -18,7 +18,7 @@ import torch
 
 from hf_blockdiff.kernels import INTERPRETED
 from hf_blockdiff.kernels.one_shot_sum import PROGRAMS, one_shot_sum, one_shot_sum_reference
-from helpers import one_shot_group, run_forked
+from helpers import on_python_path, one_shot_group, run_forked
 
 pytest.importorskip("triton")
 forked = pytest.mark.skipif(not INTERPRETED, reason="ranks as forked CPU processes need Triton's interpreter; on "
@@ -123,8 +123,7 @@ one_shot_sum(torch.ones(2, 8, device="cuda"), slots, flags, epochs, 0, 4096, Non
 torch.cuda.synchronize()
 """
     started = time.monotonic()
-    tests = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    env = on_python_path(dict(os.environ), Path(__file__).resolve().parents[1])
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode != 0 and "CUDA error" in run.stderr, run.stderr[-2000:]
     assert time.monotonic() - started < 60
