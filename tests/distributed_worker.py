@@ -1,7 +1,8 @@
 """Run by test_distributed under `torchrun --nproc_per_node W`: generation of a tiny checkpoint sharded on DEVICE (cpu:
 gloo, cuda: NCCL) over groups of TP_SIZE processes (one group: plain tensor parallel; several: hybrid data × tensor
 parallel), and of one whose KV heads cannot be split; with LAYERS "compiled", also with compiled decoder layers (the
-collectives traced into them) and a batch through the fused projections (`stacked_decode`); with SOURCE (a JSONL of
+collectives traced into them), a batch through the fused projections (`stacked_decode`) and PROMPTS sampled with top-k
+from one seed, each process's random state moved on by its own draws (`sampled`); with SOURCE (a JSONL of
 prompts), also the CLI's `generate` of it and its `bench` in the same launch (a launch of their own costs about 25 s
 on the CPU); every process writes what it saw as JSON (OUTPUT.RANK)."""
 
@@ -10,6 +11,8 @@ import io
 import json
 import os
 import sys
+
+import torch
 
 from hf_blockdiff import BlockDiffusionConfig
 from hf_blockdiff.fusion import layers as fused_layers
@@ -22,6 +25,8 @@ from hf_blockdiff.integrations.checkpoint import load_pretrained
 from hf_blockdiff.integrations.distributed import generate_distributed
 
 CFG = BlockDiffusionConfig(max_new_tokens=8, threshold=0.6, eos_token_id=[])
+SAMPLED = CFG.replace(temperature=0.8, top_k=5)  # top-k sampling, scored on the vocabulary shards too
+SAMPLING_SEED = 5
 PROMPTS = ["hello", "x = 1", "abc def", "Once upon a time", "0123456789"]
 GENERATE_FLAGS = ["--batch-size", "2", "--max-new-tokens", "8", "--threshold", "0.6", "--eos-token-id"]  # CFG's
 # the CLI's bench as the tests launch it, but for --device
@@ -57,6 +62,26 @@ def stacked_decode(model, tokenizer) -> tuple[list[str], int, int]:
     finally:
         fused_layers.grouped_linear, fused_layers.stacked_mlp_forward = project, mlp
     return [c.text for c in wide], calls.count(True), calls.count("mlp")
+
+
+def vocab_shard_starts(run) -> tuple[object, list[int]]:
+    """run(), and the first token ids of the vocabulary shards its steps scored on (executor.score_vocab_shards)."""
+    starts, score = [], executor.score_vocab_shards
+    executor.score_vocab_shards = lambda *args: starts.append(args[1]) or score(*args)
+    try:
+        return run(), sorted(set(starts))
+    finally:
+        executor.score_vocab_shards = score
+
+
+def sampled(model, tokenizer) -> tuple[list[str], list[int]]:
+    """PROMPTS sampled with top-k (SAMPLED) in batches of 2 after torch.manual_seed(SAMPLING_SEED), each process's
+    random state then moved on by draws of its own (none on the first), so only seeds the group agrees on give the
+    tokens of one process seeded alike; and the vocabulary shards its steps scored on."""
+    torch.manual_seed(SAMPLING_SEED)
+    torch.rand(int(os.environ["RANK"]))
+    return vocab_shard_starts(lambda: [c.text for c in generate_distributed(model, PROMPTS, SAMPLED, tokenizer,
+                                                                             batch_size=2)])
 
 
 def counting_sums(run) -> tuple[object, list[int]]:
@@ -102,14 +127,12 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
         c.text for c in generate_distributed(model, PROMPTS, compiled, tokenizer, batch_size=2)])
         if layers == "compiled" else (None, [0, 0]))
     wide, stacked_qkv, stacked_mlps = stacked_decode(model, tokenizer) if layers == "compiled" else (None, 0, 0)
+    top_k_texts, top_k_starts = sampled(model, tokenizer) if layers == "compiled" else (None, [])
     rows, decode = [], model.generate_multi_block
     model.generate_multi_block = lambda ids, *args, **kwargs: rows.append(len(ids)) or decode(ids, *args, **kwargs)
-    shard_scores, score = [], executor.score_vocab_shards  # steps scored from the LM head's vocabulary shards
-    executor.score_vocab_shards = lambda *args: shard_scores.append(args[1]) or score(*args)
-    try:
-        completions = generate_distributed(model, PROMPTS, CFG, tokenizer, batch_size=2)
-    finally:
-        executor.score_vocab_shards = score
+    # steps scored from the LM head's vocabulary shards
+    completions, shard_starts = vocab_shard_starts(lambda: generate_distributed(model, PROMPTS, CFG, tokenizer,
+                                                                                batch_size=2))
     again = generate_distributed(model, PROMPTS[:1], CFG, tokenizer)  # fewer prompts than groups
     try:  # refused before it loads (the head counts are checked against its config), on every process
         load_pretrained(uneven_checkpoint, device, tensor_parallel_size=int(tp_size))
@@ -125,7 +148,9 @@ def main(checkpoint: str, uneven_checkpoint: str, tp_size: str, output: str, dev
         "compiled": compiled_texts,
         "residual_sums": residual_sums,
         "rows": rows,
-        "vocab_shard_starts": sorted(set(shard_scores)),
+        "vocab_shard_starts": shard_starts,
+        "sampled": top_k_texts,
+        "sampled_shard_starts": top_k_starts,
         "tp_size": model.tp_size,
         "device": model.device.type,
         "cache_kv_heads": model._blockdiff_engine.cache.keys[0].shape[2],

@@ -18,7 +18,7 @@ from hf_blockdiff.integrations.checkpoint import load_pretrained
 from hf_blockdiff.integrations.completions import complete
 from hf_blockdiff.integrations.distributed import init_tensor_parallel, load_sharded, shard_device
 
-from distributed_worker import BENCH, CFG, GENERATE_FLAGS, PROMPTS
+from distributed_worker import BENCH, CFG, GENERATE_FLAGS, PROMPTS, SAMPLED, SAMPLING_SEED
 from helpers import save_checkpoint
 
 # the CPU tests' processes see no GPU, on a GPU host too, and run Triton's kernels in its interpreter, as on a machine
@@ -41,14 +41,22 @@ def torchrun(*args, processes=2, timeout=120, env=CPU_ONLY, check=True):
     return run
 
 
-def one_process(checkpoint, device: str) -> list[str]:
+def one_process(checkpoint, device: str) -> tuple[list[str], list[str]]:
+    """The completions of PROMPTS on one process: CFG's, and SAMPLED's from SAMPLING_SEED in the worker's batches."""
     model, tokenizer = load_pretrained(str(checkpoint), device)
-    return [c.text for c in complete(model, PROMPTS, CFG, tokenizer)]
+    greedy = [c.text for c in complete(model, PROMPTS, CFG, tokenizer)]
+    torch.manual_seed(SAMPLING_SEED)
+    return greedy, [c.text for c in complete(model, PROMPTS, SAMPLED, tokenizer, batch_size=2)]
 
 
 @pytest.fixture(scope="module")
-def expected(checkpoint):
+def expected_both(checkpoint):
     return one_process(checkpoint, "cpu")
+
+
+@pytest.fixture(scope="module")
+def expected(expected_both):
+    return expected_both[0]
 
 
 def test_data_parallel_cli_matches_one_process(checkpoint, expected, tmp_path):
@@ -79,10 +87,12 @@ def generate_cli(checkpoint, tmp_path, device: str, processes: int, tp_size: int
     return run, [json.loads(line) for line in output.read_text().splitlines()]
 
 
-def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device: str, env) -> None:
+def check_tensor_parallel(checkpoint, expected_both, tmp_path, processes: int, device: str, env) -> None:
     """distributed_worker.py under `torchrun` on `device`, groups of two: every process ends with the single-process
-    completions. Two processes also decode with compiled layers (about 30 s on the CPU: once); four, two groups, also
-    run the CLI's `generate` and `bench` (a launch of their own would cost about 25 s each on the CPU)."""
+    completions (`one_process`: greedy, and sampled with top-k). Two processes also decode with compiled layers (about
+    30 s on the CPU: once) and sample; four, two groups, also run the CLI's `generate` and `bench` (a launch of their
+    own would cost about 25 s each on the CPU)."""
+    expected, expected_sampled = expected_both
     uneven = save_checkpoint(tmp_path / "one-kv-head", num_key_value_heads=1)
     report_path = tmp_path / "report.json"
     extra = ["compiled"] if processes == 2 else ["eager", prompts_file(tmp_path)]
@@ -94,6 +104,8 @@ def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device
     assert [r["rows"] for r in reports] == ([[2, 2, 1, 1]] * 2 if processes == 2 else [[2, 1, 1]] * 2 + [[2]] * 2)
     # every step scored where its logits lie, each process of a group from its half of the tiny vocabulary's 96 ids
     assert sorted(start for r in reports for start in r["vocab_shard_starts"]) == sorted([0, 48] * (processes // 2))
+    # top-k sampling too, from the seeds the group's first process drew (the others' random states moved on)
+    assert sorted(start for r in reports for start in r["sampled_shard_starts"]) == ([0, 48] if processes == 2 else [])
     for report in reports:  # every process ends with every completion, in input order
         assert report["tp_size"] == 2 and report["device"] == device
         assert report["cache_kv_heads"] == 1  # the tiny model has 2 KV heads: one per process
@@ -103,6 +115,7 @@ def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device
         if processes == 2:  # past the kernel's rows too, through the stacked q/k/v (weights/packed_shards.py)
             assert report["wide"] == expected * 4 and min(report["stacked"]) > 0  # q/k/v and MLP forwards
         assert report["compiled"] == (expected if processes == 2 else None)
+        assert report["sampled"] == (expected_sampled if processes == 2 else None)
         # the compiled layers' sums took the post-attention norm (after the attention) and the residual (after the MLP)
         assert (min(report["residual_sums"]) > 0) == (processes == 2)
         assert report["unchanged"]
@@ -117,8 +130,8 @@ def check_tensor_parallel(checkpoint, expected, tmp_path, processes: int, device
 
 
 @pytest.mark.parametrize("processes", [2, 4], ids=["tp2", "tp2xdp2"])
-def test_tensor_parallel_matches_one_process(checkpoint, expected, tmp_path, processes):
-    check_tensor_parallel(checkpoint, expected, tmp_path, processes, "cpu", CPU_ONLY)
+def test_tensor_parallel_matches_one_process(checkpoint, expected_both, tmp_path, processes):
+    check_tensor_parallel(checkpoint, expected_both, tmp_path, processes, "cpu", CPU_ONLY)
 
 
 @pytest.mark.gpu
@@ -155,7 +168,7 @@ def test_cli_on_four_gpus_matches_one_gpu(tmp_path):
     four = save_checkpoint(tmp_path / "four-kv-heads", num_attention_heads=4, num_key_value_heads=4)
     _, records = generate_cli(four, tmp_path, "cuda", 4, 4, None)
     assert [r["prompt"] for r in records] == PROMPTS
-    assert [r["completion"] for r in records] == one_process(four, "cuda")
+    assert [r["completion"] for r in records] == one_process(four, "cuda")[0]
 
 
 def test_tensor_parallel_size_must_divide_the_launch(monkeypatch):

@@ -21,6 +21,7 @@ from ..generation.engine import kept_engine, least_slots, request_seeds, shape_b
 from ..fusion.mode import decoding_mode, fusion_for
 from ..generation.generate import block_output
 from ..generation.inputs import check_call, prompts_of
+from ..weights.tensor_parallel import agreed_seeds
 
 # our field -> how transformers' DiffusionGemmaGenerationConfig names it
 GENERATION_CONFIG_NAMES = dict(max_denoising_steps="max_denoising_steps", t_max="t_max", t_min="t_min",
@@ -117,7 +118,7 @@ def generate_multi_block(self, input_ids: torch.LongTensor, config: BlockDiffusi
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(generation, "pad_token_id", None)
     slots = least_slots(shape_bucket(len(prompts)), cfg, lambda n: fusion_for(cfg, backend, graphs, device, self, n))
     run = CanvasRun(cfg.noise, graphs, fusion_for(cfg, backend, graphs, device, self, slots), cfg.runtime.page_size)
-    seeds = request_seeds(len(prompts), generator).to(device) if cfg.noise == "counter" else None
+    seeds = agreed_seeds(self, request_seeds(len(prompts), generator)).to(device) if cfg.noise == "counter" else None
     call = CanvasCall(cfg.max_new_tokens, stops, pad, seeds, generator)
     stream = CanvasStream(streamer, input_ids, stops) if streamer is not None else None
     was_training = self.training

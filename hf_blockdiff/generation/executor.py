@@ -14,8 +14,8 @@ from ..cache import PagedBlockCache
 from ..config import BlockDiffusionConfig
 from ..scheduler import ForwardLayout, ScoreRequest, Stored
 from ..scheduler.chunks import Chunks
-from ..strategies.scoring import (SamplingParams, Scores, logit_salience, penalize_preceding, score_logits,
-                                  score_vocab_shards, shard_scoring)
+from ..strategies.scoring import (SamplingParams, Scores, fused_scoring, logit_salience, penalize_preceding,
+                                  score_logits, score_vocab_shards)
 from ..fusion.mode import decoding_mode, few_tokens
 from ..kernels.skinny_gemm import grouped_linear
 from ..weights.tensor_parallel import vocab_shard
@@ -93,12 +93,13 @@ class ModelExecutor:
         return scores
 
     def by_vocab_shards(self, request: ScoreRequest, hidden_uncond: torch.Tensor | None) -> bool:
-        """Whether the request scores from the LM head's vocabulary shards (`strategies.scoring.shard_scoring`, no
-        guidance, penalty, processor or salience: they read whole rows of logits)."""
+        """Whether the request scores from the LM head's vocabulary shards (the fused path,
+        `strategies.scoring.fused_scoring`; no guidance, penalty, processor or salience: they read whole rows of
+        logits)."""
         cfg = self.cfg
         return (self.vocab is not None and hidden_uncond is None and request.preceding is None
                 and not request.needs_salience and cfg.repetition_penalty == 1.0 and cfg.logits_processor is None
-                and shard_scoring(self.sampling, request.temperature, request.sampling))
+                and fused_scoring(self.sampling, request.temperature, request.sampling))
 
     def greedy_scores(self, rows: torch.Tensor, canvas: torch.Tensor | None):
         """The greedy pick from the carried hidden states (a storing forward's decision): (token, log-probability,

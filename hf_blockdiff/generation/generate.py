@@ -11,7 +11,7 @@ from transformers.utils import ModelOutput
 from ..config import BlockDiffusionConfig
 from ..config.checks import check_block_config
 from ..config.profiles import model_profile
-from ..weights.tensor_parallel import sharded_decoding
+from ..weights.tensor_parallel import agreed_seeds, sharded_decoding
 from .engine import Results, engine_for, request_seeds
 from .hf_conventions import call_arguments, merged_config
 from .inputs import check_call, check_lengths, decoding_backend, prompts_of
@@ -86,7 +86,7 @@ def generate_multi_block(
     stream = _TokenStream(streamer, input_ids, cfg) if streamer is not None else None
     groups = [group for group in range(len(prompts)) for _ in range(samples)]
     prompts = [prompts[group] for group in groups]
-    seeds = request_seeds(len(prompts), generator)
+    seeds = agreed_seeds(self, request_seeds(len(prompts), generator))
     was_training = self.training
     self.eval()
     try:

@@ -91,9 +91,10 @@ PARTIAL_FIELDS = 8  # running max m, Σ e^(z - m), Σ e^(z - m)·(z - m), top-1,
 _NEG_INF = float("-inf")
 
 
-def score_shard_reference(logits, first, mask_token_id, temperature, seed, counter):
-    """Plain torch scoring of one vocabulary shard: logits [N, V] of token ids first, first + 1, ... (no top-k).
-    Returns [PARTIAL_FIELDS, N] float32: m = max z (at least -1e30), Σ e^(z - m), Σ e^(z - m)·(z - m), the two
+def score_shard_reference(logits, first, mask_token_id, temperature, seed, counter, threshold=None):
+    """Plain torch scoring of one vocabulary shard: logits [N, V] of token ids first, first + 1, ...; `threshold`
+    ([N] or None): the whole rows' k-th largest kept z when sampling with top-k (`top_k_threshold`), below which z is
+    -inf. Returns [PARTIAL_FIELDS, N] float32: m = max z (at least -1e30), Σ e^(z - m), Σ e^(z - m)·(z - m), the two
     largest z, the pick's z, the pick's key (its z + Gumbel noise when sampling, else z) and the pick's id (a float,
     exact below 2^24); ties to the lowest id."""
     z = logits.float().clone()
@@ -101,6 +102,8 @@ def score_shard_reference(logits, first, mask_token_id, temperature, seed, count
     z[:, ids == mask_token_id] = _NEG_INF
     if temperature > 0:
         z = z * inverse_temperature(temperature)
+    if threshold is not None:
+        z = z.where(z >= threshold[:, None], _NEG_INF)
     m = z.amax(1).clamp_min(-1.0e30)
     d = z - m[:, None]
     e = d.exp()
@@ -132,12 +135,20 @@ def _scores(proposal, m, s, w, top1, top2, z_pick):
     return proposal, logprob.exp(), log_s - w / s, ((top1 - m).exp() - (top2 - m).exp()) / s, logprob
 
 
-def _top_k_threshold(logits, mask_token_id, inv_temperature, top_k):
-    """The k-th largest kept z per row, from torch.topk on the raw logits (z is monotone in the logits)."""
-    vals, idx = logits.topk(min(top_k + 1, logits.shape[1]), dim=1)
-    vals = vals.float().masked_fill(idx == mask_token_id, float("-inf"))
-    kth = vals.sort(dim=1, descending=True).values[:, min(top_k, vals.shape[1]) - 1]
-    return kth * inv_temperature
+def shard_top_logits(logits, first, mask_token_id, top_k):
+    """A vocabulary shard's k + 1 largest logits per row as float32 [N, k + 1] (logits [N, V] of token ids first..),
+    the mask token's -inf, -inf past the shard's width: its share of `top_k_threshold` (the rows' k largest kept
+    logits lie among the shards' k + 1 largest, of which at most one is the mask token's)."""
+    values, columns = logits.topk(min(top_k + 1, logits.shape[1]), dim=1)
+    values = values.float().masked_fill(columns + first == mask_token_id, _NEG_INF)
+    return torch.nn.functional.pad(values, (0, top_k + 1 - values.shape[1]), value=_NEG_INF)
+
+
+def top_k_threshold(tops, top_k, inv_temperature):
+    """The k-th largest kept z per row from every shard's `shard_top_logits` [shards, N, k + 1] (z is monotone in the
+    logits); -inf where the rows keep fewer than k tokens (then every token is kept)."""
+    merged = tops.transpose(0, 1).reshape(tops.shape[1], -1)
+    return merged.topk(top_k, dim=1).values[:, -1] * inv_temperature
 
 
 def score_triton(logits, mask_token_id, temperature, top_k, seed, counter, block_v=None):
@@ -150,20 +161,25 @@ def score_triton(logits, mask_token_id, temperature, top_k, seed, counter, block
     N = logits.shape[0]
     proposal = torch.empty(N, device=logits.device, dtype=torch.int64)
     stats = torch.empty(4, N, device=logits.device, dtype=torch.float32)
-    _launch_score(logits, mask_token_id, temperature, top_k, seed, counter, block_v, 0, (proposal, stats))
+    threshold = None
+    if temperature > 0 and top_k > 0:
+        threshold = top_k_threshold(shard_top_logits(logits, 0, mask_token_id, top_k)[None], top_k,
+                                    inverse_temperature(temperature))
+    _launch_score(logits, mask_token_id, temperature, threshold, seed, counter, block_v, 0, (proposal, stats))
     return proposal, *stats
 
 
-def score_shard_triton(logits, first, mask_token_id, temperature, seed, counter, block_v=None):
+def score_shard_triton(logits, first, mask_token_id, temperature, seed, counter, threshold=None, block_v=None):
     """`score_shard_reference` by the fused kernel (`score_triton`'s pass over the shard's columns)."""
     partial = torch.empty(PARTIAL_FIELDS, logits.shape[0], device=logits.device, dtype=torch.float32)
-    _launch_score(logits, mask_token_id, temperature, 0, seed, counter, block_v, first, partial)
+    _launch_score(logits, mask_token_id, temperature, threshold, seed, counter, block_v, first, partial)
     return partial
 
 
-def _launch_score(logits, mask_token_id, temperature, top_k, seed, counter, block_v, first, out):
+def _launch_score(logits, mask_token_id, temperature, threshold, seed, counter, block_v, first, out):
     """The scoring kernel over logits [N, V], token ids first.. (a vocabulary shard), into `out`: (proposal, stats)
-    or, for a shard, the partial state [PARTIAL_FIELDS, N]."""
+    or, for a shard, the partial state [PARTIAL_FIELDS, N]; `threshold`: [N] float32, z below it filtered out (top-k),
+    or None."""
     require_triton("score_triton")
     N, V = logits.shape
     if logits.stride(1) != 1:
@@ -171,15 +187,14 @@ def _launch_score(logits, mask_token_id, temperature, top_k, seed, counter, bloc
     sample = temperature > 0
     block_v = block_v or (4096 if sample else 8192)
     inv_temperature = inverse_temperature(temperature) if sample else 1.0
-    filtered = sample and top_k > 0
     partial = isinstance(out, torch.Tensor)
     proposal, stats = (out, out) if partial else out
     if N == 0:
         return
-    threshold = _top_k_threshold(logits, mask_token_id, inv_temperature, top_k) if filtered else stats
     launch(_score_kernel, (N,),
-        logits, logits.stride(0), seed, counter, threshold, proposal, stats, N, V, first, mask_token_id,
-        inv_temperature, SAMPLE=sample, FILTER=filtered, PARTIAL=partial, BLOCK_V=block_v,
+        logits, logits.stride(0), seed, counter, stats if threshold is None else threshold, proposal, stats, N, V,
+        first, mask_token_id, inv_temperature, SAMPLE=sample, FILTER=threshold is not None, PARTIAL=partial,
+        BLOCK_V=block_v,
         num_warps=max(1, min(32, block_v // 256)),
     )
 

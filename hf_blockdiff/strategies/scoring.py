@@ -16,7 +16,8 @@ from ..kernels import runs_triton
 from ..kernels.canvas_scoring import FUSED_PROBS_DTYPES, canvas_score_reference, canvas_score_triton
 from ..kernels.scoring import (combine_shards_reference, combine_shards_triton, distribution_scores, gumbel_argmax,
                               inverse_temperature, score_reference, score_shard_reference, score_shard_triton,
-                              score_triton, top_k_filter, top_k_rows, top_p_filter, top_p_rows)
+                              score_triton, shard_top_logits, top_k_filter, top_k_rows, top_k_threshold,
+                              top_p_filter, top_p_rows)
 
 
 @dataclass
@@ -107,21 +108,21 @@ def fused_scoring(params: SamplingParams, temperature: torch.Tensor | None = Non
     return simple and params.precision == "float32"
 
 
-def shard_scoring(params: SamplingParams, temperature: torch.Tensor | None, rows: RowSampling | None) -> bool:
-    """Whether rows score from vocabulary shards (`score_vocab_shards`): the fused path without top-k filtering (its
-    k-th largest logit would need the shards' top k first; greedy scoring filters nothing)."""
-    return fused_scoring(params, temperature, rows) and (params.temperature == 0 or params.top_k <= 0)
-
-
 def score_vocab_shards(logits: torch.Tensor, first: int, params: SamplingParams, seed: torch.Tensor,
                        counter: torch.Tensor, gather) -> Scores:
-    """`score_logits` of whole rows (`shard_scoring`) from this process's columns of them, logits [n, V / P] of
-    token ids first, first + 1, ...: each process scores its shard (`kernels.scoring.score_shard_reference`), `gather`
-    brings every process's [fields, n] as [P, fields, n] in the order of their ids, and their combination gives the
-    scores (docs/architecture.md, "Around the loop": scoring on the LM head's vocabulary shards)."""
+    """`score_logits` of whole rows on the fused path (`fused_scoring`) from this process's columns of them, logits
+    [n, V / P] of token ids first, first + 1, ...: with top-k, `gather` first brings every process's k + 1 largest
+    logits a row, whose k-th largest is the whole rows' (`kernels.scoring.top_k_threshold`); each process scores its
+    shard (`kernels.scoring.score_shard_reference`), `gather` brings every process's [fields, n] as [P, fields, n] in
+    the order of their ids, and their combination gives the scores (docs/architecture.md, "Around the loop": scoring
+    on the LM head's vocabulary shards)."""
     fused = runs_triton(logits)
+    threshold = None
+    if params.temperature > 0 and params.top_k > 0:
+        tops = gather(shard_top_logits(logits, first, params.mask_token_id, params.top_k))
+        threshold = top_k_threshold(tops, params.top_k, inverse_temperature(params.temperature))
     shard = (score_shard_triton if fused else score_shard_reference)(
-        logits, first, params.mask_token_id, params.temperature, seed, counter)
+        logits, first, params.mask_token_id, params.temperature, seed, counter, threshold)
     return Scores(*(combine_shards_triton if fused else combine_shards_reference)(gather(shard)))
 
 

@@ -142,6 +142,20 @@ def _local(param) -> torch.nn.Parameter:
     return _reused(param, "local", param.to_local())
 
 
+def agreed_seeds(model, seeds: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel model's sampling seeds (`seeds`, one a row, drawn by this process) as the first process of its
+    group drew them: every process of a group decodes the same rows and must draw the same noise, or a process whose
+    random state has moved on (or a generator seeded per process) would sample other tokens, and the group's
+    forwards would part ways. One broadcast a call; a model on one GPU keeps its own."""
+    if tensor_parallel_size(model) == 1:
+        return seeds
+    param = next(p for p in model.parameters() if hasattr(p, "device_mesh"))
+    group = _group(param)
+    shared = seeds.to(param.device)  # where the group's backend takes tensors (NCCL: the GPU)
+    dist.broadcast(shared, src=dist.get_global_rank(group, 0), group=group)
+    return shared.to(seeds.device)
+
+
 def _group(param):
     mesh = param.device_mesh
     return mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp")

@@ -7,7 +7,8 @@ import triton.language as tl  # noqa: E402
 
 from hf_blockdiff.kernels.rng import row_key_tl, uniform_noise, uniform_noise_tl  # noqa: E402
 from hf_blockdiff.kernels.scoring import (combine_shards_reference, combine_shards_triton,  # noqa: E402
-                                          score_reference, score_shard_reference, score_shard_triton, score_triton)
+                                          inverse_temperature, score_reference, score_shard_reference,
+                                          score_shard_triton, score_triton, shard_top_logits, top_k_threshold)
 
 MASK_ID = 5
 
@@ -52,29 +53,47 @@ def test_greedy_full_vocab(device, assert_close, poisoned):
     check_scores(logits, 0.0, 0, row_seeds(2, device, 0), assert_close)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def shards_threshold(logits, spans, temperature, top_k):
+    """The whole rows' k-th largest kept z from every shard's k + 1 largest logits, as tensor parallel finds it; None
+    where nothing is filtered."""
+    if not (temperature > 0 and top_k > 0):
+        return None
+    tops = torch.stack([shard_top_logits(logits[:, first:end], first, MASK_ID, top_k) for first, end in spans])
+    return top_k_threshold(tops, top_k, inverse_temperature(temperature))
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.0, 0), (0.8, 0), (0.8, 1), (0.8, 7)],
+                         ids=["greedy", "sampled", "top-1", "top-7"])
 @pytest.mark.parametrize("starts", [[0, 500], [0, 3, MASK_ID, MASK_ID + 1, 301, 900]], ids=["two", "six-uneven"])
-def test_vocabulary_shards_combine_to_whole_rows(temperature, starts, device, assert_close, poisoned):
+def test_vocabulary_shards_combine_to_whole_rows(temperature, top_k, starts, device, assert_close, poisoned):
     """Each shard's state by the kernel is its reference's; combined (the kernel's states by the kernel, the
     reference's by the reference), the shards give the whole rows' scores: the proposal token for token (sampled: the
     noise of the shard's own ids; a tie across shards to the lowest id; the mask token's id, in the first shard or
-    alone in one of its own, all -inf, never), the statistics as fp64's."""
+    alone in one of its own, all -inf, never; top-k: the whole rows' k-th largest kept z found from every shard's k + 1
+    largest logits, shards narrower than k + 1 and the mask token's largest logit among them), the statistics as
+    fp64's."""
     V = 1001
     logits = random_logits(6, V, torch.float32, device, seed=11)
     logits[1, [10, 700]] = logits[1].sort(descending=True).values[1] + 1.0  # a tie across shards, below the mask's
     seeds = row_seeds(6, device, 3)
+    spans = list(zip(starts, starts[1:] + [V]))
+    threshold = shards_threshold(logits, spans, temperature, top_k)
+    if threshold is not None:
+        z = logits * inverse_temperature(temperature)
+        z[:, MASK_ID] = float("-inf")
+        assert torch.equal(threshold, z.topk(top_k, dim=1).values[:, -1])  # top_k_filter's k-th largest
     states = {combine_shards_triton: [], combine_shards_reference: []}
-    for first, end in zip(starts, starts[1:] + [V]):
-        shard = score_shard_triton(logits[:, first:end], first, MASK_ID, temperature, *seeds, block_v=256)
-        reference = score_shard_reference(logits[:, first:end], first, MASK_ID, temperature, *seeds)
+    for first, end in spans:
+        shard = score_shard_triton(logits[:, first:end], first, MASK_ID, temperature, *seeds, threshold, block_v=256)
+        reference = score_shard_reference(logits[:, first:end], first, MASK_ID, temperature, *seeds, threshold)
         picked = reference[-2].isfinite()  # a shard of no finite logit (the mask's alone) picks no id that can win
-        assert picked.any() or first == MASK_ID
+        assert picked.any() or first == MASK_ID or top_k
         assert torch.equal(shard[-1][picked], reference[-1][picked])  # the pick's id
         torch.testing.assert_close(shard[:-1], reference[:-1], rtol=1e-5, atol=1e-5)
         states[combine_shards_triton].append(shard)
         states[combine_shards_reference].append(reference)
-    whole = score_reference(logits, MASK_ID, temperature, 0, *seeds)
-    exact = score_reference(logits.double(), MASK_ID, temperature, 0, *seeds)
+    whole = score_reference(logits, MASK_ID, temperature, top_k, *seeds)
+    exact = score_reference(logits.double(), MASK_ID, temperature, top_k, *seeds)
     assert temperature > 0 or whole[0][1] == 10
     for combine, shards in states.items():
         out = combine(torch.stack(shards))
