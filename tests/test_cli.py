@@ -165,6 +165,8 @@ def test_bench_llada2_against_diffusers(capsys, editing):
     (["--shape", "llada2-tiny", "--strategy", "sequential"], "drop --strategy"),
     (["--shape", "tiny", "--editing-threshold", "0.5"], "--editing-threshold needs a LLaDA2 model"),
     (["--shape", "tiny", "--batch-invariant", "--compile", "on"], "batch_invariant=True runs them uncompiled"),
+    (["--shape", "llada2-tiny", "--top-k", "5"], "drop --strategy, --max-active-blocks, --temperature and --top-k"),
+    (["--shape", "tiny", "--top-k", "5"], "--top-k 5 filters sampled proposals"),
 ])
 def test_bench_refuses_settings_its_reference_lacks(capsys, extra, message):
     assert main(["bench", *extra, "--device", "cpu", "--dtype", "float32", "--new-tokens", "8"]) == 2
@@ -192,6 +194,17 @@ def test_bench_rollouts_share_pages(capsys):
     # pages of 64: a canvas of 80 takes 2. Shared: the store's page of the common 64 tokens, and one page per sample
     # (the leader's holds tokens 64-72 of its prompt, the others' a copy of it)
     assert report["kv_ratio"] == pytest.approx((1 + 2 * 4) / (2 * 4 * 2), abs=1e-3)
+
+
+def test_bench_samples_with_top_k():
+    """--top-k reaches the config hf_blockdiff decodes with (with --temperature; alone it is refused, above)."""
+    from hf_blockdiff.cli import build_parser
+    from hf_blockdiff.tools.bench_models import build_model
+    from hf_blockdiff.tools.decode_flags import decode_config
+
+    args = build_parser().parse_args(["bench", "--temperature", "1", "--top-k", "5"])
+    cfg = decode_config(args, build_model("tiny", None, "cpu", torch.float32))
+    assert (cfg.temperature, cfg.top_k) == (1.0, 5)
 
 
 def test_bench_tensor_parallel_needs_a_launch(capsys):

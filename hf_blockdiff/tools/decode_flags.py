@@ -34,6 +34,8 @@ def add_decode_flags(parser) -> None:
                         help="τ of the threshold strategies (default: the strategy's own)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of hf_blockdiff (default: %(default)s, greedy)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="with --temperature: sample from the k most likely tokens (default: %(default)s, all)")
     parser.add_argument("--editing-threshold", type=float, default=None,
                         help="LLaDA2 only: decode with the llada2_1 preset (editing) at this threshold, and diffusers "
                         "with the same (default: editing off, the llada2 preset)")
@@ -55,9 +57,10 @@ def mask_id(model) -> int:
 
 def _llada2_config(args, mask: int) -> BlockDiffusionConfig:
     """The llada2 / llada2_1 preset under the flags' sizes (diffusers' LLaDA2Pipeline is bench's reference)."""
-    if args.strategy or args.max_active_blocks != 1 or args.temperature:
+    if args.strategy or args.max_active_blocks != 1 or args.temperature or args.top_k:
         raise ValueError("LLaDA2 models are benchmarked with the llada2 preset against diffusers' LLaDA2Pipeline, "
-                         "which has one rule, greedy: drop --strategy, --max-active-blocks and --temperature.")
+                         "which has one rule, greedy: drop --strategy, --max-active-blocks, --temperature and "
+                         "--top-k.")
     editing = {} if args.editing_threshold is None else {"editing_threshold": args.editing_threshold}
     sizes = {key: value for key, value in (("block_size", args.block_size), ("steps_per_block", args.steps_per_block),
                                            ("threshold", args.threshold)) if value is not None}
@@ -75,12 +78,15 @@ def decode_config(args, model) -> BlockDiffusionConfig:
     if args.editing_threshold is not None:
         raise ValueError("--editing-threshold needs a LLaDA2 model (--shape llada2-mini): the reference loops of the "
                          "other families do not edit.")
+    if args.top_k and not args.temperature > 0:
+        raise ValueError(f"--top-k {args.top_k} filters sampled proposals, and greedy decoding samples none: give "
+                         "--temperature above 0 too, or drop --top-k.")
     bidirectional = model_profile(model).attention == "bidirectional"
     block_size = args.block_size or 4
     return as_given(BlockDiffusionConfig(
         mask_token_id=mask_id(model), block_size=block_size, steps_per_block=args.steps_per_block or block_size,
         max_new_tokens=args.new_tokens, strategy=args.strategy or "low_confidence_static", threshold=args.threshold,
-        temperature=args.temperature,
+        temperature=args.temperature, top_k=args.top_k,
         max_active_blocks=args.max_active_blocks, block_add_threshold=args.block_add_threshold,
         decoded_token_threshold=args.decoded_token_threshold, eos_token_id=[], attention_backend=args.attention_backend,
         attention="bidirectional" if bidirectional else "block_causal",
