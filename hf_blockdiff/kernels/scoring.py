@@ -136,19 +136,19 @@ def _scores(proposal, m, s, w, top1, top2, z_pick):
 
 
 def shard_top_logits(logits, first, mask_token_id, top_k):
-    """A vocabulary shard's k + 1 largest logits per row as float32 [N, k + 1] (logits [N, V] of token ids first..),
-    the mask token's -inf, -inf past the shard's width: its share of `top_k_threshold` (the rows' k largest kept
-    logits lie among the shards' k + 1 largest, of which at most one is the mask token's)."""
+    """A vocabulary shard's k + 1 largest logits per row as float32 [N, min(k + 1, V)] (logits [N, V] of token ids
+    first..), the mask token's -inf: its candidates for `top_k_threshold` (the rows' k largest kept logits lie among
+    the shards' k + 1 largest, of which at most one is the mask token's)."""
     values, columns = logits.topk(min(top_k + 1, logits.shape[1]), dim=1)
-    values = values.float().masked_fill(columns + first == mask_token_id, _NEG_INF)
-    return torch.nn.functional.pad(values, (0, top_k + 1 - values.shape[1]), value=_NEG_INF)
+    return values.float().masked_fill(columns + first == mask_token_id, _NEG_INF)
 
 
-def top_k_threshold(tops, top_k, inv_temperature):
-    """The k-th largest kept z per row from every shard's `shard_top_logits` [shards, N, k + 1] (z is monotone in the
-    logits); -inf where the rows keep fewer than k tokens (then every token is kept)."""
-    merged = tops.transpose(0, 1).reshape(tops.shape[1], -1)
-    return merged.topk(top_k, dim=1).values[:, -1] * inv_temperature
+def top_k_threshold(candidates, top_k, inv_temperature):
+    """The k-th largest kept z per row from every shard's `shard_top_logits` side by side [N, M] (z is monotone in
+    the logits); -inf where the rows hold fewer than k tokens (then every token is kept)."""
+    if candidates.shape[1] < top_k:
+        return candidates.new_full(candidates.shape[:1], _NEG_INF)
+    return candidates.topk(top_k, dim=1).values[:, -1] * inv_temperature
 
 
 def score_triton(logits, mask_token_id, temperature, top_k, seed, counter, block_v=None):
@@ -163,7 +163,7 @@ def score_triton(logits, mask_token_id, temperature, top_k, seed, counter, block
     stats = torch.empty(4, N, device=logits.device, dtype=torch.float32)
     threshold = None
     if temperature > 0 and top_k > 0:
-        threshold = top_k_threshold(shard_top_logits(logits, 0, mask_token_id, top_k)[None], top_k,
+        threshold = top_k_threshold(shard_top_logits(logits, 0, mask_token_id, top_k), top_k,
                                     inverse_temperature(temperature))
     _launch_score(logits, mask_token_id, temperature, threshold, seed, counter, block_v, 0, (proposal, stats))
     return proposal, *stats

@@ -119,8 +119,9 @@ def score_vocab_shards(logits: torch.Tensor, first: int, params: SamplingParams,
     fused = runs_triton(logits)
     threshold = None
     if params.temperature > 0 and params.top_k > 0:
-        tops = gather(shard_top_logits(logits, first, params.mask_token_id, params.top_k))
-        threshold = top_k_threshold(tops, params.top_k, inverse_temperature(params.temperature))
+        tops = gather(shard_top_logits(logits, first, params.mask_token_id, params.top_k))  # [P, n, k + 1]
+        threshold = top_k_threshold(tops.transpose(0, 1).flatten(1), params.top_k,
+                                    inverse_temperature(params.temperature))
     shard = (score_shard_triton if fused else score_shard_reference)(
         logits, first, params.mask_token_id, params.temperature, seed, counter, threshold)
     return Scores(*(combine_shards_triton if fused else combine_shards_reference)(gather(shard)))

@@ -78,7 +78,7 @@ def decode_config(args, model) -> BlockDiffusionConfig:
     if args.editing_threshold is not None:
         raise ValueError("--editing-threshold needs a LLaDA2 model (--shape llada2-mini): the reference loops of the "
                          "other families do not edit.")
-    if args.top_k and not args.temperature > 0:
+    if args.top_k > 0 and not args.temperature > 0:
         raise ValueError(f"--top-k {args.top_k} filters sampled proposals, and greedy decoding samples none: give "
                          "--temperature above 0 too, or drop --top-k.")
     bidirectional = model_profile(model).attention == "bidirectional"

@@ -149,9 +149,12 @@ def agreed_seeds(model, seeds: torch.Tensor) -> torch.Tensor:
     forwards would part ways. One broadcast a call; a model on one GPU keeps its own."""
     if tensor_parallel_size(model) == 1:
         return seeds
-    param = next(p for p in model.parameters() if hasattr(p, "device_mesh"))
+    param = next((p for p in model.parameters() if hasattr(p, "device_mesh")), None)
+    if param is None:
+        raise ValueError(f"The model says it is sharded over {tensor_parallel_size(model)} processes (tp_size) but "
+                         "holds no sharded (DTensor) parameter: load it with tp_plan, or without tp_size.")
     group = _group(param)
-    shared = seeds.to(param.device)  # where the group's backend takes tensors (NCCL: the GPU)
+    shared = seeds.to(param.device, copy=True)  # where the group's backend takes tensors (NCCL: the GPU)
     dist.broadcast(shared, src=dist.get_global_rank(group, 0), group=group)
     return shared.to(seeds.device)
 

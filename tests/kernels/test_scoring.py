@@ -58,8 +58,15 @@ def shards_threshold(logits, spans, temperature, top_k):
     where nothing is filtered."""
     if not (temperature > 0 and top_k > 0):
         return None
-    tops = torch.stack([shard_top_logits(logits[:, first:end], first, MASK_ID, top_k) for first, end in spans])
+    tops = torch.cat([shard_top_logits(logits[:, first:end], first, MASK_ID, top_k) for first, end in spans], dim=1)
     return top_k_threshold(tops, top_k, inverse_temperature(temperature))
+
+
+def tempered(logits, temperature):
+    """z as the scoring kernel sees it: the logits times fl32(1 / T) when sampling, the mask token's -inf."""
+    z = logits.float() * (inverse_temperature(temperature) if temperature > 0 else 1.0)
+    z[:, MASK_ID] = float("-inf")
+    return z
 
 
 @pytest.mark.parametrize("temperature,top_k", [(0.0, 0), (0.8, 0), (0.8, 1), (0.8, 7)],
@@ -78,16 +85,17 @@ def test_vocabulary_shards_combine_to_whole_rows(temperature, top_k, starts, dev
     seeds = row_seeds(6, device, 3)
     spans = list(zip(starts, starts[1:] + [V]))
     threshold = shards_threshold(logits, spans, temperature, top_k)
+    z = tempered(logits, temperature)
     if threshold is not None:
-        z = logits * inverse_temperature(temperature)
-        z[:, MASK_ID] = float("-inf")
         assert torch.equal(threshold, z.topk(top_k, dim=1).values[:, -1])  # top_k_filter's k-th largest
+    kept = z >= (threshold[:, None] if threshold is not None else -float("inf"))
+    kept &= z > -float("inf")
     states = {combine_shards_triton: [], combine_shards_reference: []}
     for first, end in spans:
         shard = score_shard_triton(logits[:, first:end], first, MASK_ID, temperature, *seeds, threshold, block_v=256)
         reference = score_shard_reference(logits[:, first:end], first, MASK_ID, temperature, *seeds, threshold)
-        picked = reference[-2].isfinite()  # a shard of no finite logit (the mask's alone) picks no id that can win
-        assert picked.any() or first == MASK_ID or top_k
+        picked = reference[-2].isfinite()  # a row of no kept token in the shard (the mask's alone) picks no id
+        assert torch.equal(picked, kept[:, first:end].any(1))
         assert torch.equal(shard[-1][picked], reference[-1][picked])  # the pick's id
         torch.testing.assert_close(shard[:-1], reference[:-1], rtol=1e-5, atol=1e-5)
         states[combine_shards_triton].append(shard)
@@ -100,6 +108,20 @@ def test_vocabulary_shards_combine_to_whole_rows(temperature, top_k, starts, dev
         assert torch.equal(out[0], whole[0])
         for got, ref in zip(out[1:], exact[1:]):
             assert_close(got, ref, torch.float32)
+
+
+def test_top_k_of_the_whole_vocabulary_or_no_rows(device, assert_close, poisoned):
+    """A k past the vocabulary keeps every token (its candidates are the vocabulary, not k of them: k = 10^10 would
+    not fit in memory), as `top_k_filter` does; a batch of no rows scores none, with top-k too, whole and in shards."""
+    logits = random_logits(3, 300, torch.float32, device, seed=4)
+    seeds = row_seeds(3, device, 1)
+    for top_k in (299, 300, 10**10):
+        check_scores(logits, 0.8, top_k, seeds, assert_close)
+        assert torch.equal(score_triton(logits, MASK_ID, 0.8, top_k, *seeds)[0],
+                           score_triton(logits, MASK_ID, 0.8, 0, *seeds)[0])
+    none = logits[:0]
+    assert score_triton(none, MASK_ID, 0.8, 7, none[:, 0].long(), none[:, 0].long())[0].shape == (0,)
+    assert shards_threshold(none, [(0, 150), (150, 300)], 0.8, 7).shape == (0,)
 
 
 def test_greedy_ties_go_to_lowest_id(device, poisoned):
