@@ -167,6 +167,8 @@ def test_bench_llada2_against_diffusers(capsys, editing):
     (["--shape", "tiny", "--batch-invariant", "--compile", "on"], "batch_invariant=True runs them uncompiled"),
     (["--shape", "llada2-tiny", "--top-k", "5"], "drop --strategy, --max-active-blocks, --temperature and --top-k"),
     (["--shape", "tiny", "--top-k", "5"], "--top-k 5 filters sampled proposals"),
+    (["--shape", "diffusion-gemma-tiny", "--temperature", "1", "--top-k", "5", "--block-size", "8"],
+     "which read no --block-size, --temperature, --top-k: drop them"),
 ])
 def test_bench_refuses_settings_its_reference_lacks(capsys, extra, message):
     assert main(["bench", *extra, "--device", "cpu", "--dtype", "float32", "--new-tokens", "8"]) == 2

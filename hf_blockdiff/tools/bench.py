@@ -32,7 +32,7 @@ from ..patching import free_cache
 from ..config.profiles import model_profile
 from ..weights.shard_layout import local_weight_bytes
 from .bench_models import LLADA2, SHAPES, build_model
-from .decode_flags import add_decode_flags, decode_config
+from .decode_flags import add_decode_flags, block_flags_given, decode_config
 from .measure import across_groups, make_report, measure, recompile_limits_hit
 from .diffusers_reference import llada2_pipeline
 from .rollout_bench import kv_peak, rollout_runs, with_shared_prefix
@@ -142,6 +142,10 @@ def _check_args(args) -> None:
     if args.tensor_parallel and launch_size() < 2:
         raise ValueError("--tensor-parallel shards over the processes of a launch: run the bench under "
                          "`torchrun --nproc_per_node N -m hf_blockdiff.cli bench ...` (N dividing the head counts)")
+    ignored = block_flags_given(args) if SHAPES[args.shape]["model_type"] == "diffusion_gemma" else []
+    if ignored:
+        raise ValueError(f"the diffusion-gemma shapes decode by DiffusionGemma's own rules, which read no "
+                         f"{', '.join(ignored)}: drop them (--denoising-steps sets its steps)")
     if args.tensor_parallel_size and SHAPES[args.shape]["model_type"] == "diffusion_gemma":
         raise ValueError("the diffusion-gemma shapes bench one tensor-parallel group: drop --tensor-parallel-size")
     if args.tensor_parallel_size and args.batch_size < launch_size() // args.tensor_parallel_size:

@@ -5,6 +5,8 @@ backends": compiled bookkeeping)."""
 
 from __future__ import annotations
 
+import argparse
+
 from ..config import ATTENTION_BACKENDS, BlockDiffusionConfig
 from ..config.profiles import model_profile
 from ..generation.hf_conventions import as_given
@@ -47,6 +49,16 @@ def add_decode_flags(parser) -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="decode each row independently of its batch (RuntimeOptions.batch_invariant), to "
                         "measure what that costs (default: off)")
+
+
+def block_flags_given(args) -> list[str]:
+    """The decode flags given other than at their defaults that only block decoding reads (a canvas model's bench,
+    DiffusionGemma's, decodes by its own rules and takes --attention-backend alone)."""
+    parser = argparse.ArgumentParser()
+    add_decode_flags(parser)
+    defaults = vars(parser.parse_args([]))
+    return [f"--{name.replace('_', '-')}" for name, default in defaults.items()
+            if name != "attention_backend" and getattr(args, name) != default]
 
 
 def mask_id(model) -> int:
