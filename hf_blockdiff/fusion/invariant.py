@@ -31,7 +31,8 @@ def check_batch_invariant(model: torch.nn.Module, backend: AttentionBackend) -> 
 def _uncovered(model: torch.nn.Module) -> str | None:
     """What of the model would still reduce in an order that follows the batch (None: nothing)."""
     if tensor_parallel_size(model) > 1:
-        return "a tensor-parallel model sums its shards by a kernel chosen by message size (ours, torch's two-shot or NCCL)"
+        return ("a tensor-parallel model sums its shards by a kernel chosen by message size (ours, torch's two-shot "
+                "or NCCL)")
     if not fully_fused(model):
         kinds = ", ".join(sorted({type(layer).__name__ for layer in decoder_layers(model)}))
         return (f"not every decoder layer ({kinds}) has a fused forward: only stock Qwen2/Qwen3 decoder layers with "

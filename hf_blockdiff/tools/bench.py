@@ -132,8 +132,8 @@ def _new_shape_calls(model, cfg: BlockDiffusionConfig, args, vocab: int) -> tupl
 
 def _check_args(args) -> None:
     """The bench's flags that do not go together, refused before anything is built."""
-    if args.compile_cache and (SHAPES[args.shape]["model_type"] == "diffusion_gemma" or args.num_return_sequences > 1
-                               or args.shared_prefix):
+    canvas = SHAPES[args.shape]["model_type"] == "diffusion_gemma"  # benched by tools/diffusion_gemma_bench.py
+    if args.compile_cache and (canvas or args.num_return_sequences > 1 or args.shared_prefix):
         raise ValueError("--compile-cache times the block-decoding bench's first call: drop it with "
                          "--num-return-sequences, --shared-prefix and the diffusion-gemma shapes.")
     if (args.expert_parallel or args.tensor_parallel_size) and not args.tensor_parallel:
@@ -142,11 +142,11 @@ def _check_args(args) -> None:
     if args.tensor_parallel and launch_size() < 2:
         raise ValueError("--tensor-parallel shards over the processes of a launch: run the bench under "
                          "`torchrun --nproc_per_node N -m hf_blockdiff.cli bench ...` (N dividing the head counts)")
-    ignored = block_flags_given(args) if SHAPES[args.shape]["model_type"] == "diffusion_gemma" else []
+    ignored = block_flags_given(args) if canvas else []
     if ignored:
         raise ValueError(f"the diffusion-gemma shapes decode by DiffusionGemma's own rules, which read no "
                          f"{', '.join(ignored)}: drop them (--denoising-steps sets its steps)")
-    if args.tensor_parallel_size and SHAPES[args.shape]["model_type"] == "diffusion_gemma":
+    if args.tensor_parallel_size and canvas:
         raise ValueError("the diffusion-gemma shapes bench one tensor-parallel group: drop --tensor-parallel-size")
     if args.tensor_parallel_size and args.batch_size < launch_size() // args.tensor_parallel_size:
         raise ValueError(f"--batch-size {args.batch_size} leaves a data-parallel group of --tensor-parallel-size "

@@ -1,13 +1,13 @@
 """A row-parallel layer's output while decoding (`tensor_parallel.sharded_decoding`): this rank's partial product,
 summed over the group's ranks. On CUDA, where torch has symmetric memory (NVLink loads and stores, no multicast), a
 decode step's small messages go to our one-shot kernel (`kernels/one_shot_sum.py`: one launch that pushes the product
-into every rank's slots of a symmetric buffer of its own, waits for every peer once, sums, and adds the residual
-stream and the post-attention RMSNorm in its epilogue), the mid-size messages of larger batches to torch's two-shot
-all-reduce, the product written into the symmetric buffer it sums; the group's backend (NCCL, gloo) sums the rest
-(messages beyond the buffer, fp16 and other dtypes torch's two-shot kernel does not take, CPU) in place, the first
-rank's product carrying the residual stream. One op, the product and its sum, with no copy in between (72 copies a forward of SDAR-8B); given the
-decoder layer's residual stream the op adds it where the sum leaves, with the post-attention RMSNorm where asked
-(`row_parallel_linear_norm`); torch.compile and CUDA graphs take it as one call (docs/benchmarks.md, "Tensor
+into every rank's slots of a symmetric buffer of its own, waits for every peer once, sums, and adds the residual stream
+and the post-attention RMSNorm in its epilogue), the mid-size messages of larger batches to torch's two-shot all-reduce,
+the product written into the symmetric buffer it sums; the group's backend (NCCL, gloo) sums the rest (messages beyond
+the buffer, fp16 and other dtypes torch's two-shot kernel does not take, CPU) in place, the first rank's product
+carrying the residual stream. One op, the product and its sum, with no copy in between (72 copies a forward of SDAR-8B);
+given the decoder layer's residual stream the op adds it where the sum leaves, with the post-attention RMSNorm where
+asked (`row_parallel_linear_norm`); torch.compile and CUDA graphs take it as one call (docs/benchmarks.md, "Tensor
 parallel").
 
 **Not torch's one-shot kernel.** torch's one-shot all-reduce that copies its input into the symmetric buffer
